@@ -1,0 +1,271 @@
+"""The policy loss: PPO-clipped surrogate, token aggregation, k3 KL, truncated importance sampling.
+
+Pure math on tensors: no config, no model. The trainer computes log-probs and advantages and calls
+`policy_loss`.
+
+Notation
+- N sequences (completions; B prompts x G in the trainer), T completion-token positions (padded).
+- `logp` [N, T]: log pi_theta(y_t | ...) of the sampled tokens under the current policy (with grad).
+- `old_logp` [N, T]: the same under the trainer's policy at rollout time (detached; equals
+  `logp.detach()` when each rollout batch is used once, `num_iterations = 1`).
+- `sampler_logp` [N, T]: the same as reported by the sampler that generated the tokens (vLLM).
+- `ref_logp` [N, T]: the same under the reference (the adapter-disabled base policy).
+- `adv` [N]: one advantage per sequence, broadcast over its tokens.
+- `mask` [N, T]: 1 on completion tokens, 0 on padding (bool or float; a float mask weights tokens).
+- r_t = exp(logp - old_logp), the PPO ratio; A = adv.
+
+Per token (all detached except `logp`):
+    surr_t = min(r_t * A, clip(r_t, 1 - eps_low, 1 + eps_high) * A)     DAPO's asymmetric clip
+    w_t    = min(exp(old_logp - sampler_logp), is_cap)                   truncated IS ("TIS")
+    l_t    = -w_t * surr_t
+    kl_t   = exp(ref_logp - logp) - (ref_logp - logp) - 1                 Schulman's k3, >= 0
+    loss   = agg(l) + kl_coef * agg(kl)
+Aggregations `agg(x)` over valid tokens:
+    token_mean: sum_{i,t} m x / sum_{i,t} m             (DAPO; long sequences weigh more)
+    seq_mean:   mean_i [ sum_t m x / sum_t m ]           (GRPO paper; sequences with no valid token
+                                                          count as 0 in the mean over all N, as TRL)
+    dr_grpo:    sum_{i,t} m x / (N * max_tokens)         (Dr. GRPO: a constant normaliser)
+
+Sampler / trainer mismatch (`is_mode`): vLLM's log-probs differ from the trainer's, so the rollout
+is slightly off-policy. Following Yao et al., "Your efficient RL framework secretly brings you
+off-policy RL training" (2025) and verl's TIS, the surrogate of each token is multiplied by the
+truncated, detached ratio w. `"token"`: w per token. `"sequence"`: one w per sequence from the MEAN
+of its per-token log-ratios over valid tokens, exp'd and capped, broadcast over its tokens. The
+exact sequence ratio is the product (the sum of log-ratios); we use the geometric mean on purpose:
+the sum shrinks or grows with length, so a long sequence's weight is driven to 0 or to the cap by
+small per-token gaps (the deflation of long sequences in TRL's sequence mode). The geometric mean is
+biased but comparable across lengths. `"none"`: no correction (the mismatch is still measured when
+`sampler_logp` is given).
+
+Gradient accumulation: each aggregation is a mean over the micro-batch. To get the loss of the whole
+batch, scale each micro-batch's loss by `microbatch_weight(...)` and sum.
+
+Departures: the EBPO paper trains with verl and does not state the clip epsilon or the aggregation
+(ALGORITHM.md section 5); both are options here, defaulting to eps 0.2 / 0.2 and token_mean.
+Padding positions are zeroed before any arithmetic, so non-finite padding values are harmless.
+"""
+
+from __future__ import annotations
+
+import torch
+
+AGGREGATIONS = ("token_mean", "seq_mean", "dr_grpo")
+IS_MODES = ("none", "token", "sequence")
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of `x` where `mask` (bool or float weights) is set, over `dim` (all if None).
+
+    Entries outside the mask never enter (even if NaN); an empty mask gives 0.
+    """
+    m = mask.to(x.dtype)
+    num = torch.where(mask.bool(), x, torch.zeros_like(x)) * m
+    if dim is None:
+        return num.sum() / m.sum().clamp_min(1e-8)
+    return num.sum(dim) / m.sum(dim).clamp_min(1e-8)
+
+
+def token_entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) per position: `[N, T, V] -> [N, T]`, computed in float32."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [N, T, V]
+    return -(logp.exp() * logp).sum(dim=-1)  # [N, T]
+
+
+def aggregate(
+    x: torch.Tensor, mask: torch.Tensor, agg: str, max_tokens: int | None = None
+) -> torch.Tensor:
+    """Reduce per-token values `x` [N, T] over the valid tokens of `mask` [N, T] to a scalar."""
+    m = mask.to(x.dtype)  # [N, T]
+    if agg == "token_mean":
+        return (x * m).sum() / m.sum().clamp_min(1e-8)
+    if agg == "seq_mean":
+        per_seq = (x * m).sum(dim=1) / m.sum(dim=1).clamp_min(1e-8)  # [N]
+        return per_seq.mean()
+    if agg == "dr_grpo":
+        if max_tokens is None or max_tokens < 1:
+            raise ValueError(
+                f"max_tokens: dr_grpo needs a constant normaliser >= 1, got {max_tokens}"
+            )
+        return (x * m).sum() / (x.shape[0] * max_tokens)
+    raise ValueError(f"agg: unknown aggregation {agg!r}; expected one of {', '.join(AGGREGATIONS)}")
+
+
+def microbatch_weight(agg: str, mask: torch.Tensor, total_tokens: float, total_seqs: int) -> float:
+    """Factor for one micro-batch's loss so that the weighted sum equals the whole batch's loss.
+
+    `mask` [n, T] is the micro-batch's; `total_tokens` (sum of the whole batch's mask) and
+    `total_seqs` (its N) describe the whole batch. token_mean: tokens_k / total_tokens;
+    seq_mean and dr_grpo: n_k / total_seqs.
+    """
+    if agg == "token_mean":
+        return float(mask.float().sum()) / max(float(total_tokens), 1e-8)
+    if agg in ("seq_mean", "dr_grpo"):
+        return mask.shape[0] / max(total_seqs, 1)
+    raise ValueError(f"agg: unknown aggregation {agg!r}; expected one of {', '.join(AGGREGATIONS)}")
+
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimate of KL(pi || ref) per token: exp(d) - d - 1 with d = ref - logp."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1.0
+
+
+def truncated_is_weights(
+    old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, mode: str, cap: float
+) -> torch.Tensor:
+    """Detached weights min(ratio, cap), `[N, T]`, ratio = pi_trainer / pi_sampler (module doc)."""
+    log_ratio = (old_logp - sampler_logp).detach()  # [N, T]
+    if mode == "token":
+        w = torch.exp(log_ratio)  # [N, T]
+    elif mode == "sequence":
+        w = torch.exp(masked_mean(log_ratio, mask, dim=1))[:, None].expand_as(log_ratio)  # [N, T]
+    else:
+        raise ValueError(f"is_mode: expected 'token' or 'sequence' here, got {mode!r}")
+    return w.clamp(max=cap)
+
+
+def _check(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    others: dict[str, torch.Tensor | None],
+) -> None:
+    if logp.dim() != 2:
+        raise ValueError(f"logp: expected [N, T], got shape {tuple(logp.shape)}")
+    for name, t in {"old_logp": old_logp, "mask": mask, **others}.items():
+        if t is not None and t.shape != logp.shape:
+            raise ValueError(
+                f"{name}: shape {tuple(t.shape)} differs from logp {tuple(logp.shape)}"
+            )
+    if adv.shape != logp.shape[:1]:
+        raise ValueError(f"adv: expected [N] = [{logp.shape[0]}], got shape {tuple(adv.shape)}")
+
+
+def _check_options(
+    eps_low: float, eps_high: float, agg: str, kl_coef: float, is_mode: str, is_cap: float
+) -> None:
+    if eps_low < 0 or eps_high < 0:
+        raise ValueError(f"clip_eps_low / clip_eps_high: must be >= 0, got {eps_low}, {eps_high}")
+    if agg not in AGGREGATIONS:
+        raise ValueError(
+            f"agg: unknown aggregation {agg!r}; expected one of {', '.join(AGGREGATIONS)}"
+        )
+    if kl_coef < 0:
+        raise ValueError(f"kl_coef: must be >= 0, got {kl_coef}")
+    if is_mode not in IS_MODES:
+        raise ValueError(f"is_mode: expected one of {', '.join(IS_MODES)}, got {is_mode!r}")
+    if not is_cap > 0:
+        raise ValueError(f"is_cap: must be > 0, got {is_cap}")
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float = 0.2,
+    agg: str = "token_mean",
+    ref_logp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    sampler_logp: torch.Tensor | None = None,
+    is_mode: str = "none",
+    is_cap: float = 2.0,
+    max_tokens: int | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The clipped-surrogate loss (scalar, differentiable in `logp`) and plain-float stats.
+
+    See the module docstring for the formulas. Stats: `loss`, `pg_loss`, `kl` (mean per-token k3
+    over valid tokens; 0 without `ref_logp`), `clip_frac` (= `clip_frac_low` + `clip_frac_high`,
+    fraction of valid tokens where the clip is active), `ratio_mean` (of r_t); with `sampler_logp`
+    also `is_ratio_min/mean/max` (untruncated per-token exp(old_logp - sampler_logp)),
+    `is_weight_mean` (applied weights; 1 with is_mode none), `logp_diff_mean/max`
+    (|sampler_logp - old_logp|). Over an empty mask ratios read 1 and differences 0.
+    """
+    _check(logp, old_logp, adv, mask, {"ref_logp": ref_logp, "sampler_logp": sampler_logp})
+    _check_options(clip_eps_low, clip_eps_high, agg, kl_coef, is_mode, is_cap)
+    if is_mode != "none" and sampler_logp is None:
+        raise ValueError(f"sampler_logp: is_mode={is_mode!r} needs the sampler's log-probs")
+    if agg == "dr_grpo" and (max_tokens is None or max_tokens < logp.shape[1]):
+        raise ValueError(
+            f"max_tokens: dr_grpo needs a constant normaliser >= the {logp.shape[1]} token "
+            f"positions (the rollout's max_new_tokens), got {max_tokens}"
+        )
+
+    valid = mask.bool()  # [N, T]
+    m = mask.float() * valid  # [N, T]
+
+    def clean(t: torch.Tensor) -> torch.Tensor:  # zero padding, float32
+        return torch.where(valid, t.float(), torch.zeros((), device=t.device))
+
+    new = clean(logp)  # [N, T] carries the gradient
+    old = clean(old_logp.detach())  # [N, T]
+    a = adv.detach().float()[:, None]  # [N, 1]
+
+    ratio = torch.exp(new - old)  # [N, T]
+    clipped = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)  # [N, T]
+    surr = torch.minimum(ratio * a, clipped * a)  # [N, T]
+    if is_mode != "none":
+        surr = surr * truncated_is_weights(old, clean(sampler_logp.detach()), m, is_mode, is_cap)
+    pg_loss = aggregate(-surr, m, agg, max_tokens)
+    loss = pg_loss
+
+    kl_tok = k3_kl(new, clean(ref_logp.detach())) if ref_logp is not None else None  # [N, T]
+    if kl_tok is not None and kl_coef > 0:
+        loss = loss + kl_coef * aggregate(kl_tok, m, agg, max_tokens)
+
+    with torch.no_grad():
+        low = valid & (a < 0) & (ratio < 1.0 - clip_eps_low)  # [N, T]
+        high = valid & (a > 0) & (ratio > 1.0 + clip_eps_high)  # [N, T]
+        names = ["loss", "pg_loss", "kl", "clip_frac", "clip_frac_low", "clip_frac_high"]
+        values = [
+            loss.detach(),
+            pg_loss.detach(),
+            masked_mean(kl_tok, valid) if kl_tok is not None else torch.zeros(()),
+            masked_mean((low | high).float(), valid),
+            masked_mean(low.float(), valid),
+            masked_mean(high.float(), valid),
+        ]
+        names.append("ratio_mean")
+        values.append(_or_default(masked_mean(ratio, valid), valid, 1.0))
+        if sampler_logp is not None:
+            more = _mismatch_stats(old, clean(sampler_logp.detach()), m, valid, is_mode, is_cap)
+            names += list(more)
+            values += list(more.values())
+        flat = torch.stack([v.float().reshape(()).to(logp.device) for v in values])
+        stats = dict(zip(names, flat.tolist()))  # one device sync
+    return loss, stats
+
+
+def _mismatch_stats(
+    old: torch.Tensor,
+    sampler: torch.Tensor,
+    m: torch.Tensor,
+    valid: torch.Tensor,
+    is_mode: str,
+    is_cap: float,
+) -> dict[str, torch.Tensor]:
+    """Importance ratios and |log-prob gaps| between trainer and sampler over valid tokens."""
+    log_ratio = old - sampler  # [N, T]
+    ratio = torch.exp(log_ratio)  # [N, T]
+    diff = log_ratio.abs()  # [N, T] 0 on padding
+    if is_mode == "none":
+        weight = torch.ones((), device=old.device)
+    else:
+        weight = masked_mean(truncated_is_weights(old, sampler, m, is_mode, is_cap), valid)
+    inf = torch.tensor(float("inf"), device=old.device)
+    return {
+        "is_ratio_min": _or_default(torch.where(valid, ratio, inf).amin(), valid, 1.0),
+        "is_ratio_mean": _or_default(masked_mean(ratio, valid), valid, 1.0),
+        "is_ratio_max": _or_default(torch.where(valid, ratio, -inf).amax(), valid, 1.0),
+        "is_weight_mean": _or_default(weight, valid, 1.0),
+        "logp_diff_mean": masked_mean(diff, valid),
+        "logp_diff_max": diff.amax(),
+    }
+
+
+def _or_default(x: torch.Tensor, valid: torch.Tensor, default: float) -> torch.Tensor:
+    """`x`, or `default` when no token is valid (without a device sync)."""
+    return torch.where(valid.any(), x, torch.full_like(x, default))
