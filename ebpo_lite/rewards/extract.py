@@ -1,0 +1,176 @@
+"""Answer extraction and gold normalisation: pure string functions, no math-verify.
+
+Everything here runs in the trainer process, so every function is linear in the input length
+and bounded: a megabyte of adversarial text costs milliseconds, never a stall.
+
+Extraction order for a completion (`extract_answer`):
+1. the content of the last balanced `\\boxed{...}` or `\\fbox{...}` (escaped braces `\\{ \\}` are
+   not counted; a box whose content is longer than `MAX_ANSWER_CHARS` or never closes is ignored
+   and the box before it is tried, up to `MAX_BOX_CANDIDATES` boxes from the end);
+2. else the first number after the last `####` (GSM8K's marker);
+3. else the last number in the final `TAIL_CHARS` characters of the text (GSM8K-style plain
+   answers). Numbers are `-?` digits with optional `,ddd` thousands groups and a decimal part;
+   thousands commas are removed.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+MAX_ANSWER_CHARS = 2000  # longer boxed contents are not answers (and never reach the verifier)
+MAX_BOX_CANDIDATES = 8  # boxes tried from the end when the last ones are unbalanced
+TAIL_CHARS = 4096  # the plain-number fallback only reads the end of the text
+
+_BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_BRACE = re.compile(r"(?<!\\)[{}]")
+_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+_THOUSANDS = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+_INT = re.compile(r"[+-]?\d+")
+_UNESCAPED_DOLLAR = re.compile(r"(?<!\\)\$")
+
+
+def completion_text(completion: Any) -> str:
+    """The text of one completion: a string, or chat messages (the last assistant content).
+
+    Chat messages are a list of {"role", "content"} dicts (TRL's conversational format); a content
+    that is a list of parts ({"type": "text", "text": ...}) is joined. No assistant message: the
+    last message's content.
+    """
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, dict):
+        return _content_text(completion.get("content"))
+    if isinstance(completion, (list, tuple)):
+        messages = [m for m in completion if isinstance(m, dict)]
+        if not messages:
+            return ""
+        assistant = [m for m in messages if m.get("role") == "assistant"]
+        return _content_text((assistant or messages)[-1].get("content"))
+    return "" if completion is None else str(completion)
+
+
+def _content_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = [p.get("text", "") if isinstance(p, dict) else str(p) for p in content]
+        return "".join(p for p in parts if isinstance(p, str))
+    return str(content)
+
+
+def _box_end(text: str, open_brace: int) -> int | None:
+    """Index of the brace closing the one at `open_brace`, scanning at most MAX_ANSWER_CHARS."""
+    depth = 0
+    stop = min(len(text), open_brace + MAX_ANSWER_CHARS + 2)
+    for m in _BRACE.finditer(text, open_brace, stop):
+        depth += 1 if m.group() == "{" else -1
+        if depth == 0:
+            return m.start()
+    return None
+
+
+def boxed_spans(text: str) -> list[tuple[int, int]]:
+    """(start, end) of the contents of the balanced boxes, for the last MAX_BOX_CANDIDATES opens."""
+    opens = [m.end() - 1 for m in _BOX_OPEN.finditer(text)]  # index of each "{"
+    spans = []
+    for brace in opens[-MAX_BOX_CANDIDATES:]:
+        end = _box_end(text, brace)
+        if end is not None:
+            spans.append((brace + 1, end))
+    return spans
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last balanced `\\boxed{}` / `\\fbox{}`; None when there is none."""
+    spans = boxed_spans(text)
+    if not spans:
+        return None
+    start, end = spans[-1]
+    return text[start:end].strip()
+
+
+def count_boxes(text: str) -> int:
+    """Number of `\\boxed{` / `\\fbox{` openings (balanced or not)."""
+    return sum(1 for _ in _BOX_OPEN.finditer(text))
+
+
+def final_number(text: str) -> str | None:
+    """GSM8K-style answer: the first number after the last `####`, else the last number."""
+    mark = text.rfind("####")
+    if mark >= 0:
+        m = _NUMBER.search(text, mark + 4, min(len(text), mark + 200))
+        if m:
+            return m.group().replace(",", "")
+    tail = text[-TAIL_CHARS:]
+    last = None
+    for last in _NUMBER.finditer(tail):  # noqa: B007 - we want the last match
+        pass
+    return last.group().replace(",", "") if last else None
+
+
+def extract_answer(text: str) -> str | None:
+    """The model's final answer: last box, else `####` number, else last number (see module doc)."""
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed
+    return final_number(text)
+
+
+def clean_answer(s: str) -> str:
+    """Strip whitespace and unescaped `$`; drop thousands commas from a plain number."""
+    s = _UNESCAPED_DOLLAR.sub("", s).strip()
+    if _THOUSANDS.fullmatch(s):
+        s = s.replace(",", "")
+    return s
+
+
+def canonical_int(s: str) -> str | None:
+    """'-007' -> '-7', '+12' -> '12'; None unless `s` is a plain integer."""
+    s = clean_answer(s)
+    if not _INT.fullmatch(s):
+        return None
+    sign = "-" if s[0] == "-" else ""
+    digits = s.lstrip("+-").lstrip("0") or "0"
+    return "0" if digits == "0" else sign + digits
+
+
+def normalize_gold(answer: Any) -> list[str] | None:
+    """Gold answers as a list of strings (alternatives); None when there is nothing to judge.
+
+    - str: the text after the last `####` (GSM8K), else the last box if the string has one; `$`
+      removed; thousands commas removed from plain numbers; zero-padded integers ('025') -> '25'.
+    - int -> str; float: 27.0 -> '27', 0.5 -> '0.5' (NaN / inf -> None); bool -> None.
+    - list / tuple (OlympiadBench's `final_answer`): every element normalised; any of them may
+      match (OlympiadBench lists always have one element; a multi-part answer is one string).
+    """
+    if answer is None or isinstance(answer, bool):
+        return None
+    if isinstance(answer, (list, tuple)):
+        out = []
+        for a in answer:
+            g = normalize_gold(a)
+            if g:
+                out.extend(g)
+        return out or None
+    if isinstance(answer, int):
+        return [str(answer)]
+    if isinstance(answer, float):
+        if not math.isfinite(answer):
+            return None
+        return [str(int(answer))] if answer.is_integer() else [repr(answer)]
+    if not isinstance(answer, str):
+        return None
+    s = answer
+    if "####" in s:
+        s = s[s.rfind("####") + 4 :]
+    elif "\\boxed" in s or "\\fbox" in s:
+        s = last_boxed(s) or s
+    s = clean_answer(s)
+    if not s:
+        return None
+    as_int = canonical_int(s)
+    return [as_int if as_int is not None else s]
