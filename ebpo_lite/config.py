@@ -1,0 +1,408 @@
+"""Typed, frozen configuration: one dataclass per concern.
+
+A recipe is a YAML file whose top-level sections are the fields of `Config`; command-line
+overrides are dotted `section.key=value` strings parsed as YAML scalars. The YAML key, the field
+name and the log key are the same word. Unknown sections or keys, wrong types and out-of-range
+values raise `ConfigError` whose message starts with the dotted key (`train.lr: ...`).
+
+PyYAML reads `1e-5` as a string (YAML 1.1 wants `1.0e-5`): float fields accept such strings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ebpo_lite.errors import ConfigError
+
+ESTIMATORS = ("grpo", "dr_grpo", "rloo", "ebpo")
+SAMPLERS = ("shuffle", "topic", "difficulty", "adaptive")
+BACKENDS = ("hf", "vllm", "unsloth")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "tiny"  # "tiny" (built in, no download), a hub id, or a local folder
+    load_in_4bit: bool = False  # NF4 base via bitsandbytes (QLoRA)
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16/fp16 on GPU)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    attn_implementation: str = "auto"  # auto | eager | sdpa | flash_attention_2
+    lora_rank: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    trainable_extra: list[str] = field(default_factory=list)  # name substrings, e.g. ["norm"]
+    gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+    sft_warmup_steps: int = 1200  # tiny model only: supervised warm-up, cached under ~/.cache
+    sft_seed: int = 0
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    name: str = "arithmetic"  # arithmetic | a preset (gsm8k, math, ...) | a hub dataset id
+    path: str | None = None  # local json / jsonl / parquet file (overrides name's location)
+    preset: str = "auto"  # schema preset; auto: guessed from name / path
+    split: str = "train"
+    prompt_field: str | None = None  # generic mapping for files no preset knows
+    answer_field: str | None = None
+    topic_field: str | None = None
+    difficulty_field: str | None = None
+    labels_path: str | None = None  # per-example topic / pass-rate file (ebpo_lite.difficulty)
+    system_prompt: str | None = None  # None: the default "put the final answer in \boxed{}"
+    thinking: bool = False  # Qwen3 thinking mode in the chat template
+    skip_bad_rows: bool = False
+    max_examples: int = 0  # 0: all
+    max_prompt_tokens: int = 1024
+    num_train: int = 6000  # arithmetic only (about 16k distinct problems exist)
+    num_eval: int = 256  # arithmetic only: held-out problems
+    seed: int = 1234  # arithmetic only: which problems are generated
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    backend: str = "hf"  # hf | vllm | unsloth
+    group_size: int = 8
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    device: str = "auto"  # vLLM's device; a second GPU here gives the two-GPU layout
+    # vLLM engine settings
+    dtype: str = "auto"  # engine dtype; auto follows model.dtype (fp32 on CPU)
+    max_model_len: int = 0  # 0: prompt + completion budget
+    kv_cache_gb: float = 0.5  # CPU only: explicit KV-cache size (vLLM otherwise takes 90% of RAM)
+    gpu_memory_utilization: float = 0.35
+    max_lora_rank: int = 0  # 0: model.lora_rank rounded up to a size vLLM accepts
+    sleep_between_phases: bool = True  # GPU only: free vLLM memory while training
+    enforce_eager: bool = True
+
+
+@dataclass(frozen=True)
+class AlgoConfig:
+    estimator: str = "ebpo"
+    grpo_scale: str = "group"  # grpo only: group | batch | none
+    # EBPrior options (ALGORITHM.md section 3); defaults are the paper's variant
+    tau2: str = "raw"  # raw | moments
+    sigma2: str = "total"  # total | within
+    center: bool = True
+    decay: float | None = None  # None: no decay; 0 < gamma < 1: exponentially weighted
+    prior_key: str | None = None  # example field for the hierarchical prior: topic | difficulty
+    min_count: int = 8
+    tau2_min: float = 1e-6
+    # loss
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    loss_agg: str = "token_mean"  # token_mean | seq_mean | dr_grpo
+    kl_coef: float = 0.0  # k3 KL to the adapter-disabled base
+    num_iterations: int = 1  # optimisation passes over one rollout batch
+    is_correction: str = "token"  # none | token | sequence: sampler/trainer mismatch correction
+    is_cap: float = 2.0  # truncation of the importance ratio
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    functions: list[str] = field(default_factory=lambda: ["auto"])  # auto: by dataset
+    weights: list[float] = field(default_factory=list)  # empty: all 1.0
+    timeout_s: float = 5.0  # math verification time limit per answer
+    length_penalty: float = 0.0  # DAPO overlong penalty at max_new_tokens, linear ramp from start
+    length_penalty_start: float = 0.8
+
+
+@dataclass(frozen=True)
+class CurriculumConfig:
+    sampler: str = "shuffle"  # shuffle | topic | difficulty | adaptive
+    topic_order: list[str] = field(default_factory=list)  # empty: order of first appearance
+    run_length: int = 4  # topic: batches per topic run
+    repeat: bool = True  # difficulty: start over after one pass (False: stop)
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
+    max_extra_draws: int = 2  # dynamic sampling: extra batches drawn at most per step
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 200
+    seed: int = 0
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    max_grad_norm: float = 1.0
+    schedule: str = "constant"  # constant | cosine
+    warmup_steps: int = 0
+    prompts_per_step: int = 32
+    micro_batch_size: int = 64  # sequences per forward/backward; accumulation over the rest
+    checkpoint_every: int = 50  # 0: only at the end
+    keep_checkpoints: int = 2
+    stop_after: int = 0  # stop cleanly after this many steps of this invocation (0: never)
+    resume: bool = False
+    threads: int = 0  # torch threads on CPU; 0: leave torch's default
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    every: int = 50  # 0: only before the first and after the last step
+    num_examples: int = 256  # held-out problems used by the in-training eval
+    benchmarks: list[str] = field(default_factory=list)  # e.g. [math500, aime24]
+    k: int = 1
+    temperature: float = 0.0  # 0: greedy
+    max_new_tokens: int = 0  # 0: rollout.max_new_tokens
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    progress: str = "auto"  # auto | bar | lines | none
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "ebpo_lite"
+
+
+@dataclass(frozen=True)
+class Config:
+    output_dir: str = "runs/default"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a recipe and apply `section.key=value` overrides; validate everything."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw = _read_yaml(Path(path))
+    for item in overrides:
+        _apply_override(raw, item)
+    cfg = _build(Config, raw, prefix="")
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def dump(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"{path}: recipe file not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        raise ConfigError(f"{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read ({e})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    return data
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"{item}: overrides are written key=value, e.g. train.steps=20")
+    key, _, text = item.partition("=")
+    parts = key.strip().split(".")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        value = text
+    node = raw
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{key}: {p} is not a section")
+    node[parts[-1]] = value
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    where = prefix.rstrip(".") or "config"
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a section (mapping), got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in names:
+            kind = "section" if not prefix else "key"
+            raise ConfigError(
+                f"{prefix}{key}: unknown {kind} (expected one of: {', '.join(sorted(names))})"
+            )
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in raw:
+            continue
+        typ = hints[f.name]
+        if dataclasses.is_dataclass(typ):
+            kwargs[f.name] = _build(typ, raw[f.name], prefix=f"{prefix}{f.name}.")
+        else:
+            kwargs[f.name] = _coerce(raw[f.name], typ, f"{prefix}{f.name}")
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, typ: Any, key: str) -> Any:
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
+            return None
+        return _coerce(value, args[0], key)
+    if origin is list:
+        (inner,) = typing.get_args(typ)
+        if isinstance(value, str) and inner is str:
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected a float, got {value!r}")
+    if typ is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    raise ConfigError(f"{key}: unsupported type {typ}")  # pragma: no cover
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check(ok: bool, key: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {msg}")
+
+
+def _one_of(value: str, choices: tuple[str, ...] | list[str], key: str) -> None:
+    _check(value in choices, key, f"expected one of {', '.join(choices)}, got {value!r}")
+
+
+def validate(cfg: Config) -> None:
+    """Range and choice checks; every message names the key."""
+    m, d, r, a, rw, c, t, e = (
+        cfg.model,
+        cfg.data,
+        cfg.rollout,
+        cfg.algo,
+        cfg.reward,
+        cfg.curriculum,
+        cfg.train,
+        cfg.eval,
+    )
+    _check(bool(cfg.output_dir), "output_dir", "must not be empty")
+    _check(bool(m.name), "model.name", "must not be empty")
+    _one_of(m.dtype, ("auto", "float32", "bfloat16", "float16"), "model.dtype")
+    _one_of(
+        m.attn_implementation,
+        ("auto", "eager", "sdpa", "flash_attention_2"),
+        "model.attn_implementation",
+    )
+    _check(m.lora_rank >= 1, "model.lora_rank", f"must be >= 1, got {m.lora_rank}")
+    _check(m.lora_alpha > 0, "model.lora_alpha", f"must be > 0, got {m.lora_alpha}")
+    _check(
+        0 <= m.lora_dropout < 1, "model.lora_dropout", f"must be in [0, 1), got {m.lora_dropout}"
+    )
+    _check(m.sft_warmup_steps >= 0, "model.sft_warmup_steps", "must be >= 0")
+    _check(bool(m.device), "model.device", "must not be empty")
+    _check(d.max_examples >= 0, "data.max_examples", "must be >= 0")
+    _check(d.num_train >= 1, "data.num_train", "must be >= 1")
+    _check(d.num_eval >= 0, "data.num_eval", "must be >= 0")
+    _one_of(r.backend, BACKENDS, "rollout.backend")
+    _check(r.group_size >= 2, "rollout.group_size", f"must be >= 2, got {r.group_size}")
+    _check(r.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {r.max_new_tokens}")
+    _check(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
+    _check(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
+    _check(r.top_k >= 0, "rollout.top_k", f"must be >= 0, got {r.top_k}")
+    _check(0 <= r.min_p < 1, "rollout.min_p", f"must be in [0, 1), got {r.min_p}")
+    _check(r.kv_cache_gb > 0, "rollout.kv_cache_gb", "must be > 0")
+    _check(
+        0 < r.gpu_memory_utilization < 1,
+        "rollout.gpu_memory_utilization",
+        f"must be in (0, 1), got {r.gpu_memory_utilization}",
+    )
+    _check(r.max_lora_rank >= 0, "rollout.max_lora_rank", "must be >= 0")
+    _check(r.max_model_len >= 0, "rollout.max_model_len", "must be >= 0")
+    _one_of(a.estimator, ESTIMATORS, "algo.estimator")
+    _one_of(a.grpo_scale, ("group", "batch", "none"), "algo.grpo_scale")
+    _one_of(a.tau2, ("raw", "moments"), "algo.tau2")
+    _one_of(a.sigma2, ("total", "within"), "algo.sigma2")
+    _check(a.decay is None or 0 < a.decay < 1, "algo.decay", f"must be in (0, 1), got {a.decay}")
+    _check(a.min_count >= 1, "algo.min_count", "must be >= 1")
+    _check(a.clip_eps_low >= 0, "algo.clip_eps_low", "must be >= 0")
+    _check(a.clip_eps_high >= 0, "algo.clip_eps_high", "must be >= 0")
+    _one_of(a.loss_agg, ("token_mean", "seq_mean", "dr_grpo"), "algo.loss_agg")
+    _check(a.kl_coef >= 0, "algo.kl_coef", f"must be >= 0, got {a.kl_coef}")
+    _check(a.num_iterations >= 1, "algo.num_iterations", "must be >= 1")
+    _one_of(a.is_correction, ("none", "token", "sequence"), "algo.is_correction")
+    _check(a.is_cap >= 1, "algo.is_cap", f"must be >= 1, got {a.is_cap}")
+    _check(len(rw.functions) >= 1, "reward.functions", "name at least one reward function")
+    _check(
+        not rw.weights or len(rw.weights) == len(rw.functions),
+        "reward.weights",
+        f"expected {len(rw.functions)} weights (one per reward.functions), got {len(rw.weights)}",
+    )
+    _check(rw.timeout_s > 0, "reward.timeout_s", "must be > 0")
+    _check(rw.length_penalty >= 0, "reward.length_penalty", "must be >= 0")
+    _one_of(c.sampler, SAMPLERS, "curriculum.sampler")
+    _check(c.run_length >= 1, "curriculum.run_length", "must be >= 1")
+    _check(c.max_extra_draws >= 0, "curriculum.max_extra_draws", "must be >= 0")
+    _check(t.steps >= 1, "train.steps", f"must be >= 1, got {t.steps}")
+    _check(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
+    _check(t.weight_decay >= 0, "train.weight_decay", "must be >= 0")
+    _check(
+        len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas),
+        "train.betas",
+        f"expected two numbers in [0, 1), got {t.betas}",
+    )
+    _check(t.max_grad_norm > 0, "train.max_grad_norm", "must be > 0")
+    _one_of(t.schedule, ("constant", "cosine"), "train.schedule")
+    _check(t.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+    _check(t.prompts_per_step >= 1, "train.prompts_per_step", "must be >= 1")
+    _check(t.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")
+    _check(t.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0")
+    _check(t.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1")
+    _check(t.stop_after >= 0, "train.stop_after", "must be >= 0")
+    _check(t.threads >= 0, "train.threads", "must be >= 0")
+    _check(e.every >= 0, "eval.every", "must be >= 0")
+    _check(e.num_examples >= 0, "eval.num_examples", "must be >= 0")
+    _check(e.k >= 1, "eval.k", "must be >= 1")
+    _check(e.temperature >= 0, "eval.temperature", "must be >= 0")
+    _one_of(cfg.log.progress, ("auto", "bar", "lines", "none"), "log.progress")

@@ -1,0 +1,94 @@
+"""Training and evaluation prompts.
+
+`Example` is the one record every part of the project passes around. Two sources:
+- `arithmetic`: a generated task for the built-in tiny model (addition, subtraction and
+  multiplication of small numbers). Each example carries a `topic` (add / sub / mul) and a
+  `difficulty` level (1-3, see `_arithmetic_problem`), so the topic and difficulty curricula and the
+  hierarchical prior have something real to work on. The eval split is held out: no problem in it
+  appears in the train split.
+- real math data (GSM8K, MATH, AIME, ...): `ebpo_lite.mathdata`, from local files or the hub.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ebpo_lite.config import DataConfig
+
+TOPICS = ("add", "sub", "mul")
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt: str  # the user's question (chat-templated later for chat models)
+    answer: str  # the gold final answer, as a string
+    topic: str | None = None
+    difficulty: float | None = None  # higher = harder: a level, or 1 - pass rate from labels
+    meta: dict[str, Any] = field(default_factory=dict)  # other columns, passed to rewards
+
+
+def _arithmetic_problem(rng: random.Random) -> tuple[str, int, int, int]:
+    """Levels: add/sub 1d op 1d, 2d op 1d, 2d op 2d; mul 1d*1d (<= 5), 1d*1d, 2d*1d (<= 19)."""
+    topic = rng.choice(TOPICS)
+    level = rng.randint(1, 3)
+    one, two = (0, 9), (10, 99)
+    if topic == "mul":
+        ra, rb = {1: ((0, 5), (0, 5)), 2: (one, one), 3: ((10, 19), one)}[level]
+    else:
+        ra, rb = {1: (one, one), 2: (two, one), 3: (two, two)}[level]
+    a, b = rng.randint(*ra), rng.randint(*rb)
+    if topic == "sub" and b > a:
+        a, b = b, a
+    return topic, level, a, b
+
+
+def arithmetic_examples(n: int, seed: int, split: str) -> list[Example]:
+    """`n` distinct problems; "eval" problems never occur in "train" (hash-split by text)."""
+    rng = random.Random(f"arith-{seed}-{split}")
+    out: list[Example] = []
+    seen: set[str] = set()
+    attempts = 0
+    while len(out) < n:
+        attempts += 1
+        if attempts > 50 * n + 10_000:
+            raise ValueError(f"arithmetic: cannot draw {n} distinct {split} problems")
+        topic, level, a, b = _arithmetic_problem(rng)
+        op = {"add": "+", "sub": "-", "mul": "*"}[topic]
+        prompt = f"{a}{op}{b}="
+        if prompt in seen or _is_eval(prompt) != (split == "eval"):
+            continue
+        seen.add(prompt)
+        value = {"add": a + b, "sub": a - b, "mul": a * b}[topic]
+        out.append(Example(prompt=prompt, answer=str(value), topic=topic, difficulty=float(level)))
+    return out
+
+
+def _is_eval(prompt: str) -> bool:
+    """Deterministic 1-in-8 split by the problem text (stable across Python runs)."""
+    import zlib
+
+    return zlib.crc32(prompt.encode()) % 8 == 0
+
+
+def load_train_eval(cfg: DataConfig) -> tuple[list[Example], list[Example]]:
+    """The training examples and the held-out examples for the in-training eval."""
+    if cfg.name == "arithmetic" and cfg.path is None:
+        train = arithmetic_examples(cfg.num_train, seed=cfg.seed, split="train")
+        held = (
+            arithmetic_examples(cfg.num_eval, seed=cfg.seed, split="eval") if cfg.num_eval else []
+        )
+    else:
+        from ebpo_lite import mathdata
+
+        train = mathdata.load_examples(cfg)
+        held = mathdata.load_eval_examples(cfg)
+    if cfg.max_examples:
+        train = train[: cfg.max_examples]
+    if cfg.labels_path:
+        from ebpo_lite import mathdata
+
+        train = mathdata.apply_labels(train, cfg.labels_path)
+    return train, held

@@ -1,0 +1,614 @@
+"""Evaluation: pass@1 over k samples, maj@k and unbiased pass@k on math benchmarks.
+
+Two entry points share one code path (`eval_examples`):
+- `python -m ebpo_lite.eval RUN_DIR_OR_MODEL --benchmark math500,aime24 --k 32 --out r.json`
+  (see `main`); resumable through `<out>.partial.jsonl`.
+- `evaluate_policy(run)`, the periodic eval inside training: `eval/accuracy` (greedy, held-out
+  problems, the run's first reward), `eval/expected_accuracy` (tiny task: the exact probability
+  that one temperature-1 sample is right, no sampling noise), and, when `eval.benchmarks` is set,
+  `eval/<bench>/pass@1`, `eval/<bench>/maj@k`, `eval/<bench>/pass@k` with `eval.k` samples.
+
+Metrics (per problem i with n = k samples of which c_i are correct, averaged over problems):
+- pass@1 = c_i / n: Pass@1 averaged over k samples, the paper's headline number.
+- pass@j (j <= n) = 1 - C(n - c_i, j) / C(n, j): the unbiased estimator of Chen et al. (2021),
+  reported for j = 1, 2, 4, ... and j = n.
+- maj@k: 1 if the most frequent extracted answer is right. Answers are grouped by string after
+  `answer_key` normalisation (whitespace, `$`, `\\left`/`\\right`, spacing commands, `\\dfrac`,
+  `\\text{}`, degree signs and a trailing period removed; integers and decimals canonical), not by
+  symbolic equivalence: `1/2` and `0.5` are two groups. Completions with no extractable answer
+  do not vote; ties go to the answer seen first; a group's correctness is its first member's.
+Answers: the tiny `arithmetic` task scores the whole stripped completion (no extraction); math
+benchmarks take the last `\\boxed{}` (else the GSM8K-style number) and verify with math-verify
+(`rewards.math_answer`). A completion the verifier cannot judge counts as wrong (and is counted).
+
+Sampling defaults (CLI): k = 1 is greedy (temperature 0); k > 1 samples at temperature 0.6 with
+top-p 0.95 (DeepSeek-R1's and the EBPO paper's evaluation setting). Prompts go through the chat
+template with the run's `data.system_prompt` / `data.thinking` and are never truncated by the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import re
+import sys
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ebpo_lite.errors import UserError
+
+if TYPE_CHECKING:
+    from ebpo_lite.config import Config, DataConfig
+    from ebpo_lite.data import Example
+    from ebpo_lite.run import Run
+
+ARITHMETIC_EVAL_SIZE = (
+    256  # the `arithmetic` benchmark: the tiny task's first 256 held-out problems
+)
+MAX_STORED_ANSWER = 200  # characters of each extracted answer kept in the partial file
+
+
+# ----------------------------------------------------------------------------- pure metrics
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of Chen et al. (2021): 1 - C(n - c, k) / C(n, k).
+
+    Notation: n samples of one problem, c of them correct, k <= n. Computed as the product
+    1 - prod_{i = n - c + 1}^{n} (1 - k / i), stable for large n. pass_at_k(n, c, 1) = c / n.
+    """
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k: need 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    prod = 1.0
+    for i in range(n - c + 1, n + 1):
+        prod *= 1.0 - k / i
+    return 1.0 - prod
+
+
+_SPACING = re.compile(r"\\[,!;: ]|\\left|\\right|\\displaystyle")
+_TEXT = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
+_DEGREE = re.compile(r"\^\{?\\circ\}?")
+_DECIMAL = re.compile(r"[+-]?(?:\d+\.\d*|\.\d+)")
+
+
+def answer_key(answer: str | None) -> str | None:
+    """The string maj@k groups by (rules in the module docstring); None for no answer."""
+    from ebpo_lite.rewards.extract import canonical_int, clean_answer
+
+    if answer is None:
+        return None
+    s = clean_answer(answer)
+    s = _TEXT.sub(r"\1", _SPACING.sub("", s))
+    s = _DEGREE.sub("", s).replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    s = re.sub(r"\s+", "", s).rstrip(".")
+    if not s:
+        return None
+    as_int = canonical_int(s)
+    if as_int is not None:
+        return as_int
+    if _DECIMAL.fullmatch(s):
+        s = s.rstrip("0").rstrip(".") if "." in s else s
+        return canonical_int(s) or s
+    return s
+
+
+def majority_vote(
+    answers: Sequence[str | None], scores: Sequence[float | None]
+) -> tuple[str | None, float]:
+    """(winning answer key, its score) over one problem's samples; (None, 0.0) when none voted."""
+    counts: dict[str, int] = {}
+    first_score: dict[str, float] = {}
+    for a, s in zip(answers, scores):
+        key = answer_key(a)
+        if key is None:
+            continue
+        counts[key] = counts.get(key, 0) + 1
+        first_score.setdefault(key, float(s or 0.0))
+    if not counts:
+        return None, 0.0
+    best = max(counts, key=lambda a: counts[a])  # max keeps the first of equal counts
+    return best, first_score[best]
+
+
+def pass_ks(k: int) -> list[int]:
+    """The j reported as pass@j: 1, 2, 4, ... below k, and k."""
+    out, j = [], 1
+    while j < k:
+        out.append(j)
+        j *= 2
+    return [*out, k]
+
+
+def summarize(records: Sequence[dict[str, Any]], k: int) -> dict[str, float]:
+    """Benchmark metrics from per-problem records (`num_correct`, `maj_correct`, ...)."""
+    n = len(records)
+    if n == 0:
+        return {"num_problems": 0}
+    out: dict[str, float] = {"num_problems": n}
+    for j in pass_ks(k):
+        out[f"pass@{j}"] = sum(pass_at_k(r["k"], r["num_correct"], j) for r in records) / n
+    out[f"maj@{k}"] = sum(r["maj_correct"] for r in records) / n
+    out["mean_length"] = sum(sum(r["lengths"]) / len(r["lengths"]) for r in records) / n
+    out["truncated_frac"] = sum(r["truncated"] / r["k"] for r in records) / n
+    out["unscored"] = sum(r["unscored"] for r in records)
+    return out
+
+
+def mean_over_benchmarks(per_bench: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Unweighted mean of each metric over benchmarks (the paper's "Avg." column)."""
+    keys = [k for k in next(iter(per_bench.values())) if k.startswith(("pass@", "maj@"))]
+    return {k: sum(b[k] for b in per_bench.values()) / len(per_bench) for k in keys}
+
+
+# ----------------------------------------------------------------------------- problems and scoring
+
+
+def benchmark_examples(name: str, dcfg: DataConfig | None = None) -> list[Example]:
+    """`arithmetic` (the tiny task's held-out problems) or a `mathdata` benchmark."""
+    if name == "arithmetic":
+        from ebpo_lite.data import arithmetic_examples
+
+        seed = dcfg.seed if dcfg is not None else 1234
+        return arithmetic_examples(ARITHMETIC_EVAL_SIZE, seed=seed, split="eval")
+    from ebpo_lite import mathdata
+
+    return mathdata.load_benchmark(name)
+
+
+def encode(tokenizer, ex: Example, bench: str, dcfg: DataConfig, truncate: bool) -> list[int]:
+    """Prompt ids: raw text for `arithmetic`, the chat template (run's system prompt) otherwise."""
+    from ebpo_lite import mathdata
+
+    if bench == "arithmetic":
+        return tokenizer.encode(ex.prompt, add_special_tokens=False)
+    text = mathdata.format_prompt(tokenizer, ex, dcfg.system_prompt, dcfg.thinking)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return ids[-dcfg.max_prompt_tokens :] if truncate else ids
+
+
+def score(
+    bench: str, texts: list[str], golds: list[str], timeout_s: float
+) -> tuple[list[float | None], list[str | None]]:
+    """(score, extracted answer) per completion; see the module docstring."""
+    from ebpo_lite import rewards
+
+    if bench == "arithmetic":
+        return rewards.arithmetic_answer(texts, golds), [t.strip() or None for t in texts]
+    scores = rewards.math_answer(texts, golds, timeout_s=timeout_s)
+    return scores, [rewards.extract_answer(t) for t in texts]
+
+
+def eval_examples(
+    sampler: Any,
+    tokenizer: Any,
+    bench: str,
+    examples: list[Example],
+    indices: list[int],
+    prompts: list[list[int]],
+    k: int,
+    seed: int,
+    temperature: float,
+    max_new_tokens: int,
+    timeout_s: float,
+) -> list[dict[str, Any]]:
+    """k completions for each of `examples` in one `generate` call: one record per problem."""
+    from ebpo_lite.mathdata import prompt_digest
+
+    roll = sampler.generate(
+        prompts, k, seed=seed, temperature=temperature, max_new_tokens=max_new_tokens
+    )
+    texts = tokenizer.batch_decode(roll.completion_ids, skip_special_tokens=True)
+    golds = [ex.answer for ex in examples for _ in range(k)]
+    scores, answers = score(bench, texts, golds, timeout_s)
+    records = []
+    for p, (i, ex) in enumerate(zip(indices, examples)):
+        rows = range(p * k, (p + 1) * k)
+        s = [scores[r] for r in rows]
+        a = [answers[r] for r in rows]
+        maj, maj_ok = majority_vote(a, s)
+        records.append(
+            {
+                "benchmark": bench,
+                "index": i,
+                "prompt_sha1": prompt_digest(ex.prompt),
+                "k": k,
+                "num_correct": int(sum(1 for v in s if v == 1.0)),
+                "unscored": sum(1 for v in s if v is None),
+                "maj_correct": maj_ok,
+                "maj_answer": maj[:MAX_STORED_ANSWER] if maj else None,
+                "answers": [x[:MAX_STORED_ANSWER] if x else None for x in a],
+                "lengths": [len(roll.completion_ids[r]) for r in rows],
+                "truncated": sum(1 for r in rows if not roll.finished[r]),
+            }
+        )
+    return records
+
+
+def chunk_seed(seed: int, bench: str, start: int) -> int:
+    """Sampling seed of the chunk of problems starting at `start` (stable across resumes)."""
+    return (seed * 1_000_003 + zlib.crc32(bench.encode()) + start) % (2**31)
+
+
+# ----------------------------------------------------------------------------- in training
+
+
+def evaluate_policy(run: Run) -> dict[str, Any]:
+    from ebpo_lite.rollout.hf import HFRollout
+    from ebpo_lite.run import encode_prompt
+
+    cfg, policy = run.cfg, run.policy
+    examples = run.eval_examples[: cfg.eval.num_examples]
+    out: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    sampler = HFRollout(cfg.rollout, policy)
+    max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
+    if examples:
+        prompts = [encode_prompt(policy.tokenizer, ex, cfg.data) for ex in examples]
+        roll = sampler.generate(
+            prompts,
+            1,
+            seed=cfg.train.seed,
+            temperature=cfg.eval.temperature,
+            max_new_tokens=max_new,
+        )
+        texts = policy.tokenizer.batch_decode(roll.completion_ids, skip_special_tokens=True)
+        name, fn = run.reward_fns[0]
+        scores = fn(texts, [ex.answer for ex in examples])
+        valid = [s for s in scores if s is not None]
+        out["eval/accuracy"] = sum(valid) / len(valid) if valid else float("nan")
+        if cfg.data.name == "arithmetic" and cfg.data.path is None:
+            out["eval/expected_accuracy"] = expected_accuracy(
+                policy, prompts, [ex.answer for ex in examples]
+            )
+    if cfg.eval.benchmarks:
+        out.update(_benchmark_metrics(run, _eval_sampler(run, sampler, max_new), max_new))
+    if out:
+        out["time/eval_s"] = time.perf_counter() - t0
+    return out
+
+
+def _eval_sampler(run: Run, hf_sampler: Any, max_new: int) -> Any:
+    """The run's own vLLM sampler when its context fits the eval budget, else transformers."""
+    r = run.cfg.rollout
+    if r.backend == "vllm" and max_new <= r.max_new_tokens:
+        return run.backend
+    return hf_sampler
+
+
+def _benchmark_metrics(run: Run, sampler: Any, max_new: int) -> dict[str, float]:
+    """`eval/<bench>/<metric>` over the first `eval.num_examples` problems of each benchmark."""
+    cfg, tok = run.cfg, run.policy.tokenizer
+    k, out = cfg.eval.k, {}
+    per_bench = {}
+    for bench in cfg.eval.benchmarks:
+        examples = benchmark_examples(bench, cfg.data)[: cfg.eval.num_examples or None]
+        prompts = [encode(tok, ex, bench, cfg.data, truncate=True) for ex in examples]
+        records = []
+        step = 64
+        for s in range(0, len(examples), step):
+            records += eval_examples(
+                sampler,
+                tok,
+                bench,
+                examples[s : s + step],
+                list(range(s, s + len(examples[s : s + step]))),
+                prompts[s : s + step],
+                k,
+                chunk_seed(cfg.train.seed, bench, s),
+                cfg.eval.temperature,
+                max_new,
+                cfg.reward.timeout_s,
+            )
+        per_bench[bench] = summarize(records, k)
+        for key in ("pass@1", f"maj@{k}", f"pass@{k}"):
+            out[f"eval/{bench}/{key}"] = per_bench[bench][key]
+    if len(per_bench) > 1:
+        for key, v in mean_over_benchmarks(per_bench).items():
+            if key in ("pass@1", f"maj@{k}", f"pass@{k}"):
+                out[f"eval/mean/{key}"] = v
+    return out
+
+
+@torch.no_grad()
+def expected_accuracy(policy, prompts: list[list[int]], answers: list[str]) -> float:
+    """Mean over problems of P(answer + EOS | prompt) under the policy at temperature 1."""
+    tok = policy.tokenizer
+    targets = [tok.encode(a, add_special_tokens=False) + [tok.eos_token_id] for a in answers]
+    logps = policy.token_logprobs(prompts, targets)
+    return sum(math.exp(sum(lp)) for lp in logps) / len(logps)
+
+
+# ----------------------------------------------------------------------------- CLI: loading
+
+
+def load_target(target: str, overrides: Sequence[str]) -> tuple[Config, Path | None, Path | None]:
+    """(config, run directory or None, checkpoint or None) for a run dir, checkpoint or model.
+
+    A run directory holds `config.yaml` (its newest `checkpoints/step_N` is used); a checkpoint
+    folder `RUN/checkpoints/step_N` names one step; anything else is a model folder or hub id
+    evaluated with the default config (`section.key=value` overrides apply in every case).
+    """
+    from ebpo_lite import checkpoint, config
+
+    path = Path(target)
+    if (path / "trainable.safetensors").is_file() and path.parent.name == "checkpoints":
+        run_dir, ckpt = path.parent.parent, path
+    elif (path / "config.yaml").is_file():
+        run_dir, ckpt = path, checkpoint.latest(path)
+    else:
+        cfg = config.load(None, overrides)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=target))
+        return cfg, None, None
+    if not (run_dir / "config.yaml").is_file():
+        raise UserError(f"{run_dir}: no config.yaml; not a training output_dir")
+    return config.load(run_dir / "config.yaml", overrides), run_dir, ckpt
+
+
+def load_policy(cfg: Config, ckpt: Path | None, log: Callable[[str], None] = print):
+    """The run's policy with the checkpoint's trainable tensors (LoRA and any trained norms)."""
+    from safetensors.torch import load_file
+
+    from ebpo_lite.policy import Policy
+
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    policy = Policy.from_config(cfg, log=log)
+    if ckpt is not None:
+        try:
+            state = load_file(ckpt / "trainable.safetensors")
+        except (OSError, ValueError, RuntimeError) as e:
+            raise UserError(f"{ckpt}: unreadable checkpoint ({e})") from None
+        policy.load_trainable_state(state)
+    policy.model.eval()
+    return policy
+
+
+def make_sampler(cfg: Config, policy: Any, backend: str, log: Callable[[str], None] = print):
+    """vLLM when asked (or `auto` and importable), transformers otherwise; (sampler, name)."""
+    import importlib.util
+
+    if backend not in ("auto", "hf", "vllm"):
+        raise UserError(f"--backend: expected auto, hf or vllm, got {backend!r}")
+    want = backend
+    if backend == "auto":
+        backend = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+    if backend == "vllm":
+        try:
+            from ebpo_lite.rollout.vllm import VLLMRollout
+        except ImportError as e:
+            if want == "vllm":
+                raise UserError(f"--backend vllm: vLLM is not usable here ({e})") from None
+            log(f"vLLM not usable ({e}); sampling with transformers")
+        else:
+            sampler = VLLMRollout(cfg, policy, log=log)
+            sampler.sync(policy, version=1)  # serves trained base tensors (norms) too, if any
+            return sampler, "vllm"
+    from ebpo_lite.rollout.hf import HFRollout
+
+    return HFRollout(cfg.rollout, policy, micro_batch=64), "hf"
+
+
+# ----------------------------------------------------------------------------- CLI: resumable runs
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The complete JSON lines of `path` (a line cut by a crash is dropped from the file)."""
+    if not path.is_file():
+        return []
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    rows, good = [], []
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if n == len(lines):  # the last line, cut mid-write: drop it
+                path.write_text("".join(good), encoding="utf-8")
+                break
+            raise UserError(f"{path}:{n}: invalid JSON; delete the file to start over") from None
+        rows.append(row)
+        good.append(line if line.endswith("\n") else line + "\n")
+    return rows
+
+
+def append_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    with path.open("a", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+        f.flush()
+
+
+def _settings(args: argparse.Namespace, cfg: Config, ckpt: Path | None) -> dict[str, Any]:
+    return {
+        "target": args.target,
+        "checkpoint": ckpt.name if ckpt else None,
+        "k": args.k,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "max_new_tokens": args.max_new_tokens,
+        "seed": args.seed,
+        "system_prompt": cfg.data.system_prompt,
+        "thinking": cfg.data.thinking,
+    }
+
+
+def _done_records(partial: Path, settings: dict[str, Any]) -> dict[tuple[str, int], dict]:
+    rows = read_jsonl(partial)
+    if rows and rows[0].get("settings") != settings:
+        old = rows[0].get("settings")
+        diff = {k: (old or {}).get(k) for k in settings if (old or {}).get(k) != settings[k]}
+        raise UserError(
+            f"{partial}: holds results for other settings {diff}; delete it or choose another --out"
+        )
+    if not rows:
+        append_jsonl(partial, [{"settings": settings}])
+    return {(r["benchmark"], r["index"]): r for r in rows[1:]}
+
+
+def run_benchmark(args, cfg, policy, sampler, bench: str, partial: Path, done: dict) -> list[dict]:
+    """All records of one benchmark, generating only the problems not yet in `partial`."""
+    from tqdm import tqdm
+
+    from ebpo_lite.mathdata import prompt_digest
+
+    examples = benchmark_examples(bench, cfg.data)[: args.limit or None]
+    for i, ex in enumerate(examples):
+        r = done.get((bench, i))
+        if r is not None and r["prompt_sha1"] != prompt_digest(ex.prompt):
+            raise UserError(f"{partial}: {bench} problem {i} differs from the file's; delete it")
+    todo = [i for i in range(len(examples)) if (bench, i) not in done]
+    bar = tqdm(total=len(examples), initial=len(examples) - len(todo), desc=bench, unit="problem")
+    bs = args.batch_size
+    for start in range(0, len(examples), bs):
+        idx = [i for i in todo if start <= i < start + bs]
+        if not idx:
+            continue
+        exs = [examples[i] for i in idx]
+        prompts = [encode(policy.tokenizer, ex, bench, cfg.data, truncate=False) for ex in exs]
+        recs = eval_examples(
+            sampler,
+            policy.tokenizer,
+            bench,
+            exs,
+            idx,
+            prompts,
+            args.k,
+            chunk_seed(args.seed, bench, start),
+            args.temperature,
+            args.max_new_tokens,
+            cfg.reward.timeout_s,
+        )
+        append_jsonl(partial, recs)
+        done.update({(bench, r["index"]): r for r in recs})
+        bar.update(len(recs))
+    bar.close()
+    return [done[(bench, i)] for i in range(len(examples))]
+
+
+def _longest_prompt(cfg: Config, tokenizer, benches: list[str], limit: int) -> int:
+    longest = 1
+    for bench in benches:
+        for ex in benchmark_examples(bench, cfg.data)[: limit or None]:
+            longest = max(longest, len(encode(tokenizer, ex, bench, cfg.data, truncate=False)))
+    return longest
+
+
+def format_table(per_bench: dict[str, dict[str, float]], k: int) -> str:
+    cols = ["pass@1", f"maj@{k}", f"pass@{k}"] if k > 1 else ["pass@1"]
+    head = f"{'benchmark':<16}{'n':>6}" + "".join(f"{c:>10}" for c in cols)
+    lines = [head, "-" * len(head)]
+    for name, m in per_bench.items():
+        n = m.get("num_problems", "")
+        lines.append(f"{name:<16}{n:>6}" + "".join(f"{m[c]:>10.4f}" for c in cols))
+    return "\n".join(lines)
+
+
+def evaluate(args: argparse.Namespace) -> dict[str, Any]:
+    """The CLI's work: load, generate what is missing, summarise, write JSON, print the table."""
+    benches = [b.strip() for b in args.benchmark.split(",") if b.strip()]
+    if not benches:
+        raise UserError("--benchmark: name at least one benchmark")
+    from ebpo_lite.mathdata import BENCHMARKS
+
+    known = ("arithmetic", *BENCHMARKS)
+    for b in benches:
+        if b not in known:
+            raise UserError(f"--benchmark: unknown {b!r} (expected some of {', '.join(known)})")
+    for name in ("k", "batch_size"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    if args.limit < 0:
+        raise UserError(f"--limit: must be >= 0, got {args.limit}")
+    cfg, run_dir, ckpt = load_target(args.target, args.overrides)
+    if run_dir is not None and ckpt is None:
+        print(f"{run_dir}: no checkpoint yet; evaluating the base model", file=sys.stderr)
+    args.temperature = (
+        args.temperature if args.temperature is not None else (0.6 if args.k > 1 else 0.0)
+    )
+    args.max_new_tokens = args.max_new_tokens or (
+        (cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens) if run_dir else 4096
+    )
+    out = Path(args.out or (run_dir / "eval.json" if run_dir else "eval.json"))
+    partial = Path(f"{out}.partial.jsonl")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for bench in benches:  # fail on missing data before writing or loading anything
+        benchmark_examples(bench, cfg.data)
+    done = _done_records(partial, _settings(args, cfg, ckpt))
+    for bench in benches:  # fail on a missing benchmark before loading the model
+        benchmark_examples(bench, cfg.data)
+    policy = load_policy(cfg, ckpt)
+    longest = _longest_prompt(cfg, policy.tokenizer, benches, args.limit)
+    top_p = args.top_p if args.temperature > 0 else 1.0
+    scfg = dataclasses.replace(
+        cfg,
+        rollout=dataclasses.replace(
+            cfg.rollout, top_p=top_p, top_k=0, min_p=0.0, max_new_tokens=args.max_new_tokens
+        ),
+        data=dataclasses.replace(cfg.data, max_prompt_tokens=max(longest, 1)),
+    )
+    sampler, backend = make_sampler(scfg, policy, args.backend)
+    per_bench: dict[str, dict[str, float]] = {}
+    try:
+        for bench in benches:
+            per_bench[bench] = summarize(
+                run_benchmark(args, cfg, policy, sampler, bench, partial, done), args.k
+            )
+    finally:
+        sampler.close()
+    result = {
+        "settings": {**_settings(args, cfg, ckpt), "backend": backend, "limit": args.limit},
+        "benchmarks": per_bench,
+        "mean": mean_over_benchmarks(per_bench),
+    }
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    tmp.replace(out)
+    table = dict(per_bench)
+    if len(per_bench) > 1:
+        table["mean"] = result["mean"]
+    print(format_table(table, args.k))
+    print(f"results: {out} (per-problem records: {partial})")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m ebpo_lite.eval",
+        description="Pass@1 over k samples, maj@k and pass@k of a run or a model on benchmarks.",
+    )
+    p.add_argument("target", help="training output_dir, RUN/checkpoints/step_N, model dir or id")
+    p.add_argument("overrides", nargs="*", help="section.key=value applied to the config")
+    p.add_argument("--benchmark", default="math500", help="comma list: arithmetic, math500, ...")
+    p.add_argument("--k", type=int, default=1, help="samples per problem (default 1)")
+    p.add_argument("--temperature", type=float, default=None, help="default 0.6 (k>1) / 0 (k=1)")
+    p.add_argument("--top-p", type=float, default=0.95, help="when sampling (default 0.95)")
+    p.add_argument("--max-new-tokens", type=int, default=0, help="default: the run's; 4096")
+    p.add_argument("--limit", type=int, default=0, help="first N problems per benchmark")
+    p.add_argument("--out", default=None, help="JSON file (default RUN_DIR/eval.json)")
+    p.add_argument("--backend", default="auto", choices=("auto", "hf", "vllm"))
+    p.add_argument("--batch-size", type=int, default=16, help="problems per generate call")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_intermixed_args(argv)
+    from ebpo_lite.train import _quiet_libraries
+
+    _quiet_libraries()
+    try:
+        evaluate(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,277 @@
+"""The trainable policy: a base model (full precision or NF4 via bitsandbytes) plus a peft LoRA.
+
+- The base is never merged: the sampler receives the adapter alone (`export_adapter`).
+- Optional extra trainable base parameters (`model.trainable_extra`, e.g. norm weights) make
+  `trains_base` true; `export_base` then writes the base with those tensors updated, copied from
+  the original checkpoint files, so a sampler can reload exactly what the trainer holds.
+- The reference policy for the KL term is this same model with the adapter disabled: no second copy.
+
+Batch layout used by the log-prob functions: prompts are left-padded to width P and completions
+right-padded to width C, so every completion starts at column P and only the last C + 1 positions
+of the logits are computed (`logits_to_keep`), which matters for 150k-token vocabularies.
+"""
+
+from __future__ import annotations
+
+import shutil
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from ebpo_lite.errors import UserError
+
+if TYPE_CHECKING:
+    from ebpo_lite.config import Config
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [N, P + C]
+    attention_mask: torch.Tensor  # [N, P + C]
+    position_ids: torch.Tensor  # [N, P + C]
+    completion_mask: torch.Tensor  # [N, C] float, 1 on real completion tokens
+    prompt_width: int  # P
+
+
+def make_batch(
+    prompt_ids: list[list[int]],
+    completion_ids: list[list[int]],
+    pad_id: int,
+    device: torch.device | str = "cpu",
+) -> Batch:
+    """Left-pad prompts to P, right-pad completions to C (layout in the module docstring)."""
+    if len(prompt_ids) != len(completion_ids):
+        raise ValueError(f"{len(prompt_ids)} prompts for {len(completion_ids)} completions")
+    n = len(prompt_ids)
+    width_p = max(len(p) for p in prompt_ids)
+    width_c = max(1, max(len(c) for c in completion_ids))
+    ids = torch.full((n, width_p + width_c), pad_id, dtype=torch.long)
+    attn = torch.zeros((n, width_p + width_c), dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
+        ids[i, width_p - len(p) : width_p] = torch.tensor(p, dtype=torch.long)
+        attn[i, width_p - len(p) : width_p] = 1
+        if c:
+            ids[i, width_p : width_p + len(c)] = torch.tensor(c, dtype=torch.long)
+            attn[i, width_p : width_p + len(c)] = 1
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)  # [N, P + C]
+    cmask = attn[:, width_p:].float()  # [N, C]
+    return Batch(ids.to(device), attn.to(device), pos.to(device), cmask.to(device), width_p)
+
+
+def completion_logprobs(model, batch: Batch, with_entropy: bool = False):
+    """Per-token log-probs of the completion tokens: [N, C] (and entropies [N, C])."""
+    width_c = batch.completion_mask.shape[1]
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        logits_to_keep=width_c + 1,
+        use_cache=False,
+    )
+    logits = out.logits[:, :-1].float()  # [N, C, V]: position P-1+t predicts completion token t
+    targets = batch.input_ids[:, batch.prompt_width :]  # [N, C]
+    logz = torch.logsumexp(logits, dim=-1)  # [N, C]
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz  # [N, C]
+    if not with_entropy:
+        return logp, None
+    with torch.no_grad():
+        probs = torch.softmax(logits, dim=-1)  # [N, C, V]
+        entropy = logz - (probs * logits).sum(-1)  # [N, C]
+    return logp, entropy
+
+
+class Policy:
+    """Base + LoRA, with the adapter export the samplers need."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        device: torch.device,
+        base_path: str,
+        lora_rank: int,
+        trainable_extra: list[str],
+        dtype: torch.dtype,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = device
+        self.base_path = base_path
+        self.lora_rank = lora_rank
+        self.trainable_extra = list(trainable_extra)
+        self.dtype = dtype
+
+    @property
+    def trains_base(self) -> bool:
+        return bool(self.trainable_extra)
+
+    @classmethod
+    def from_config(cls, cfg: Config, log=print) -> Policy:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from ebpo_lite.device import resolve_attn, resolve_device, resolve_dtype
+
+        m = cfg.model
+        device = resolve_device(m.device)
+        dtype = resolve_dtype(m.dtype, device)
+        if m.name == "tiny":
+            from ebpo_lite.tiny import warm_tiny_model
+
+            base_path = str(warm_tiny_model(m.sft_warmup_steps, m.sft_seed, cfg.data.seed, log))
+        else:
+            base_path = m.name
+        kwargs = dict(
+            dtype=dtype,
+            trust_remote_code=m.trust_remote_code,
+            attn_implementation=resolve_attn(m.attn_implementation, device, dtype),
+        )
+        if m.load_in_4bit:
+            kwargs["quantization_config"] = _nf4_config(dtype)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(
+                base_path, trust_remote_code=m.trust_remote_code
+            )
+            model = AutoModelForCausalLM.from_pretrained(base_path, **kwargs)
+        except OSError as e:
+            raise UserError(
+                f"model.name: cannot load {base_path!r} ({str(e).splitlines()[0]})"
+            ) from None
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        if not m.load_in_4bit:
+            model.to(device)
+        model = _add_lora(model, m)
+        if m.gradient_checkpointing:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+            model.enable_input_require_grads()
+        return cls(model, tokenizer, device, base_path, m.lora_rank, m.trainable_extra, dtype)
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """The tensors a checkpoint needs: LoRA weights and any extra trainable base tensors."""
+        return {
+            n: p.detach().cpu().clone() for n, p in self.model.named_parameters() if p.requires_grad
+        }
+
+    def load_trainable_state(self, state: dict[str, torch.Tensor]) -> None:
+        params = dict(self.model.named_parameters())
+        for name, value in state.items():
+            if name not in params:
+                raise UserError(f"checkpoint: parameter {name} does not exist in this model")
+            params[name].data.copy_(value.to(params[name].device, params[name].dtype))
+
+    def batch(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> Batch:
+        return make_batch(prompt_ids, completion_ids, self.tokenizer.pad_token_id, self.device)
+
+    def ref_context(self):
+        """Context in which the model is the reference policy (adapter disabled)."""
+        return self.model.disable_adapter()
+
+    @torch.no_grad()
+    def token_logprobs(
+        self,
+        prompt_ids: list[list[int]],
+        completion_ids: list[list[int]],
+        reference: bool = False,
+        micro_batch: int = 64,
+    ) -> list[list[float]]:
+        """Trainer log-probs of each completion token (no grad), as ragged lists."""
+        was_training = self.model.training
+        self.model.eval()
+        out: list[list[float]] = []
+        with self.ref_context() if reference else nullcontext():
+            for s in range(0, len(prompt_ids), micro_batch):
+                b = self.batch(prompt_ids[s : s + micro_batch], completion_ids[s : s + micro_batch])
+                logp, _ = completion_logprobs(self.model, b)
+                for row, c in zip(logp.cpu().tolist(), completion_ids[s : s + micro_batch]):
+                    out.append(row[: len(c)])
+        self.model.train(was_training)
+        return out
+
+    def export_adapter(self, out_dir: str | Path) -> Path:
+        """Write the LoRA adapter alone in peft's format (adapter_model.safetensors)."""
+        out = Path(out_dir)
+        self.model.save_pretrained(out, safe_serialization=True)
+        return out
+
+    def export_base(self, out_dir: str | Path) -> Path:
+        """Write the base weights the trainer holds now: original files + trained extras."""
+        from safetensors.torch import load_file, save_file
+
+        src = _local_model_dir(self.base_path)
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        current = {
+            _hf_name(n): p.detach().cpu()
+            for n, p in self.model.named_parameters()
+            if p.requires_grad and "lora_" not in n
+        }
+        for f in src.iterdir():
+            if f.suffix == ".safetensors":
+                tensors = load_file(f)
+                for k in tensors.keys() & current.keys():
+                    tensors[k] = current[k].to(tensors[k].dtype).contiguous()
+                save_file(tensors, out / f.name, metadata={"format": "pt"})
+            elif f.is_file() and f.suffix in (".json", ".txt", ".model", ".jinja"):
+                shutil.copy2(f, out / f.name)
+        return out
+
+
+def _hf_name(peft_name: str) -> str:
+    name = peft_name.removeprefix("base_model.model.")
+    return name.replace(".base_layer.", ".")
+
+
+def _local_model_dir(path: str) -> Path:
+    p = Path(path)
+    if p.is_dir():
+        return p
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(path, local_files_only=True))
+
+
+def _nf4_config(dtype: torch.dtype):
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise UserError(
+            "model.load_in_4bit: needs bitsandbytes (pip install 'ebpo-lite[bnb]')"
+        ) from None
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=dtype,
+    )
+
+
+def _add_lora(model, m):
+    from peft import LoraConfig, get_peft_model
+
+    targets = m.lora_target_modules
+    target = "all-linear" if targets == ["all-linear"] else list(targets)
+    lcfg = LoraConfig(
+        r=m.lora_rank,
+        lora_alpha=m.lora_alpha,
+        lora_dropout=m.lora_dropout,
+        target_modules=target,
+        task_type="CAUSAL_LM",
+        bias="none",
+    )
+    model = get_peft_model(model, lcfg)
+    for name, p in model.named_parameters():
+        if "lora_" not in name and any(s in name for s in m.trainable_extra):
+            if p.dtype in (torch.uint8, torch.int8):
+                raise UserError(f"model.trainable_extra: {name} is quantised and cannot be trained")
+            p.requires_grad_(True)
+    return model

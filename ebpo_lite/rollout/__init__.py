@@ -1,0 +1,63 @@
+"""The sampler seam: one Protocol, two backends.
+
+`hf.py` samples with transformers `generate` (always available); `vllm.py` colocates an in-process
+vLLM engine that receives only the LoRA adapter after each optimizer step (lazy import of vllm).
+
+Layout of a `Rollout`: completions are flattened prompt-major, row `i * G + g` is the g-th
+completion of prompt i, so rewards reshape to `[B, G]` without bookkeeping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from ebpo_lite.config import Config
+    from ebpo_lite.policy import Policy
+
+
+@dataclass
+class Rollout:
+    prompt_ids: list[list[int]]  # B prompts, token ids
+    completion_ids: list[list[int]]  # B*G completions (EOS included when produced)
+    sampler_logprobs: list[list[float]] | None  # B*G, log-prob of each sampled token
+    finished: list[bool]  # B*G, True when the completion ended with EOS
+
+    @property
+    def group_size(self) -> int:
+        return len(self.completion_ids) // max(len(self.prompt_ids), 1)
+
+
+class RolloutBackend(Protocol):
+    """What the training loop needs from a sampler."""
+
+    def generate(self, prompt_ids: list[list[int]], group_size: int, seed: int) -> Rollout:
+        """Sample `group_size` completions per prompt with the current policy."""
+        ...
+
+    def sync(self, policy: Policy, version: int) -> None:
+        """Make the next `generate` use the policy's current weights (`version` increases)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def make_backend(cfg: Config, policy: Policy) -> RolloutBackend:
+    """Build the backend named by `rollout.backend`; heavy imports happen only here."""
+    name = cfg.rollout.backend
+    if name == "hf":
+        from ebpo_lite.rollout.hf import HFRollout
+
+        return HFRollout(cfg.rollout, policy)
+    if name == "vllm":
+        from ebpo_lite.rollout.vllm import VLLMRollout
+
+        return VLLMRollout(cfg, policy)
+    if name == "unsloth":
+        from ebpo_lite.rollout.unsloth import UnslothRollout
+
+        return UnslothRollout(cfg, policy)
+    from ebpo_lite.errors import ConfigError
+
+    raise ConfigError(f"rollout.backend: unknown backend {name!r} (expected hf, vllm or unsloth)")

@@ -1,0 +1,107 @@
+"""Sampling with transformers `generate` on the trainer's own model (always available).
+
+The sampler is the policy itself, so `sync` has nothing to do. Sampling is seeded per call inside
+a forked RNG, so the trainer's global RNG stream (and hence exact resume) does not depend on it.
+Returned log-probs are the raw model's (temperature 1, before top-p / top-k), like vLLM's default
+`logprobs_mode`, so the mismatch metrics compare like with like.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ebpo_lite.rollout import Rollout
+
+if TYPE_CHECKING:
+    from ebpo_lite.config import RolloutConfig
+    from ebpo_lite.policy import Policy
+
+
+class HFRollout:
+    def __init__(self, cfg: RolloutConfig, policy: Policy, micro_batch: int = 256):
+        self.cfg = cfg
+        self.policy = policy
+        self.micro_batch = micro_batch  # prompts per generate call
+
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        group_size: int,
+        seed: int,
+        temperature: float | None = None,
+        max_new_tokens: int | None = None,
+    ) -> Rollout:
+        out = Rollout(
+            prompt_ids=list(prompt_ids), completion_ids=[], sampler_logprobs=[], finished=[]
+        )
+        for s in range(0, len(prompt_ids), self.micro_batch):
+            part = self._generate(
+                prompt_ids[s : s + self.micro_batch],
+                group_size,
+                seed + s,
+                temperature,
+                max_new_tokens,
+            )
+            out.completion_ids += part.completion_ids
+            out.sampler_logprobs += part.sampler_logprobs
+            out.finished += part.finished
+        return out
+
+    @torch.no_grad()
+    def _generate(self, prompt_ids, group_size, seed, temperature, max_new_tokens) -> Rollout:
+        policy, cfg = self.policy, self.cfg
+        tok = policy.tokenizer
+        temperature = cfg.temperature if temperature is None else temperature
+        greedy = temperature == 0
+        width = max(len(p) for p in prompt_ids)
+        ids = torch.full((len(prompt_ids), width), tok.pad_token_id, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for i, p in enumerate(prompt_ids):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            attn[i, width - len(p) :] = 1
+        kwargs = dict(
+            max_new_tokens=max_new_tokens or cfg.max_new_tokens,
+            num_return_sequences=group_size,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+        if greedy:
+            kwargs.update(do_sample=False)
+        else:
+            kwargs.update(
+                do_sample=True,
+                temperature=temperature,
+                top_p=cfg.top_p,
+                top_k=cfg.top_k or None,
+                min_p=cfg.min_p or None,
+            )
+        was_training = policy.model.training
+        policy.model.eval()
+        devices = [policy.device] if policy.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            gen = policy.model.generate(
+                input_ids=ids.to(policy.device), attention_mask=attn.to(policy.device), **kwargs
+            )
+        policy.model.train(was_training)
+        new = gen.sequences[:, width:].cpu()  # [B*G, T]
+        logits = torch.stack(gen.logits, dim=1).float()  # [B*G, T, V] raw
+        logp = torch.log_softmax(logits, -1).gather(-1, new.unsqueeze(-1)).squeeze(-1).cpu()
+        completions, logprobs, finished = [], [], []
+        for row, lp in zip(new.tolist(), logp.tolist()):
+            n = row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else len(row)
+            completions.append(row[:n])
+            logprobs.append(lp[:n])
+            finished.append(tok.eos_token_id in row)
+        prompts = [p for p in prompt_ids]
+        return Rollout(prompts, completions, logprobs, finished)
+
+    def sync(self, policy: Policy, version: int) -> None:
+        """Nothing to push: this sampler is the trainer's model."""
+
+    def close(self) -> None:
+        """Nothing to free."""

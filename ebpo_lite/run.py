@@ -1,0 +1,370 @@
+"""Everything one training run holds, and the mechanics the loop in `train.py` calls.
+
+`build_run(cfg)` loads data, policy, sampler backend, rewards, curriculum, EB prior, optimizer
+and schedule. The methods are the phases of a step (sample and score, advantages, optimize,
+save); the order of the phases lives in `train.train_step` only.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ebpo_lite import checkpoint, config, curriculum, data, loss, rewards
+from ebpo_lite.advantages import EBPrior, compute_advantages
+from ebpo_lite.errors import ConfigError, UserError
+from ebpo_lite.policy import Policy, completion_logprobs
+from ebpo_lite.rollout import Rollout, RolloutBackend, make_backend
+
+
+@dataclass
+class Run:
+    cfg: config.Config
+    policy: Policy
+    backend: RolloutBackend
+    train_examples: list[data.Example]
+    eval_examples: list[data.Example]
+    prompt_ids: list[list[int]]  # per training example
+    reward_fns: list[tuple[str, Any]]
+    reward_weights: list[float]
+    sampler: Any  # curriculum.PromptSampler
+    prior: EBPrior | None
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+    # ------------------------------------------------------------------ sampling and scoring
+    def sample_and_score(self, step: int):
+        """Prompts from the curriculum, G completions each, rewards [B, G] and mask [B, G].
+
+        With `curriculum.dynamic_sampling`, groups whose rewards are all equal are dropped and
+        up to `max_extra_draws` more batches are drawn to refill (DAPO); the count is returned.
+        """
+        cfg = self.cfg
+        B, G = cfg.train.prompts_per_step, cfg.rollout.group_size
+        idx, roll, r, m = self._draw(B, step, 0)
+        extra = 0
+        if cfg.curriculum.dynamic_sampling:
+            keep = curriculum.informative_groups(r, m)  # [B]
+            while int(keep.sum()) < B and extra < cfg.curriculum.max_extra_draws:
+                extra += 1
+                i2, roll2, r2, m2 = self._draw(B, step, extra)
+                idx, roll = idx + i2, _concat(roll, roll2)
+                r, m = torch.cat([r, r2]), torch.cat([m, m2])
+                keep = torch.cat([keep, curriculum.informative_groups(r2, m2)])
+            chosen = keep.nonzero().flatten()[:B].tolist() or list(range(B))
+            idx = [idx[i] for i in chosen]
+            roll, r, m = _select(roll, chosen, G), r[chosen], m[chosen]
+        return idx, roll, r, m, extra
+
+    def _draw(self, n: int, step: int, draw: int):
+        idx = self.sampler.next_batch(n)
+        seed = (self.cfg.train.seed * 1_000_003 + step * 101 + draw) % (2**31)
+        roll = self.backend.generate(
+            [self.prompt_ids[i] for i in idx], self.cfg.rollout.group_size, seed=seed
+        )
+        r, m = self.score([self.train_examples[i] for i in idx], roll)
+        return idx, roll, r, m
+
+    def score(
+        self, examples: list[data.Example], roll: Rollout
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weighted sum of the reward functions; None from any of them marks the row unscorable."""
+        G = len(roll.completion_ids) // len(examples)
+        tok = self.policy.tokenizer
+        texts = tok.batch_decode(roll.completion_ids, skip_special_tokens=True)
+        columns: dict[str, Any] = {"answer": [ex.answer for ex in examples for _ in range(G)]}
+        for key in sorted({k for ex in examples for k in ex.meta}):
+            columns[key] = [ex.meta.get(key) for ex in examples for _ in range(G)]
+        total, _ = rewards.combine_rewards(
+            dict(self.reward_fns),
+            self.reward_weights,
+            texts,
+            timeout_s=self.cfg.reward.timeout_s,
+            **columns,
+        )
+        rc = self.cfg.reward
+        if rc.length_penalty > 0:
+            pen = rewards.length_penalty(
+                [len(c) for c in roll.completion_ids],
+                self.cfg.rollout.max_new_tokens,
+                rc.length_penalty,
+                rc.length_penalty_start,
+            )
+            total = [None if t is None else t + p for t, p in zip(total, pen)]
+        mask = torch.tensor([t is not None for t in total]).reshape(-1, G)  # [B, G]
+        r = torch.tensor([0.0 if t is None else float(t) for t in total]).reshape(-1, G)  # [B, G]
+        return r, mask
+
+    # ------------------------------------------------------------------ advantages
+    def prior_keys(self, idx: list[int]) -> list | None:
+        key = self.cfg.algo.prior_key
+        if key is None or self.prior is None:
+            return None
+        exs = [self.train_examples[i] for i in idx]
+        return [getattr(ex, key, None) if hasattr(ex, key) else ex.meta.get(key) for ex in exs]
+
+    def advantages(self, r: torch.Tensor, m: torch.Tensor, keys) -> tuple[torch.Tensor, dict]:
+        return compute_advantages(
+            self.cfg.algo.estimator,
+            r,
+            prior=self.prior,
+            mask=m,
+            keys=keys,
+            grpo_scale=self.cfg.algo.grpo_scale,
+        )
+
+    # ------------------------------------------------------------------ optimisation
+    def optimize(
+        self, prompts: list[list[int]], roll: Rollout, adv: torch.Tensor, valid: torch.Tensor
+    ) -> dict[str, float]:
+        """`num_iterations` passes of micro-batched gradient accumulation, one optimizer step each.
+
+        Micro-batch losses are weighted by their share of the batch's normaliser (tokens for
+        `token_mean`, sequences otherwise), so accumulation equals one full-batch loss.
+        """
+        cfg, a = self.cfg, self.cfg.algo
+        policy, n = self.policy, len(roll.completion_ids)
+        rows = [i for i in range(n) if valid[i]]
+        mb = cfg.train.micro_batch_size
+        chunks = [rows[s : s + mb] for s in range(0, len(rows), mb)]
+        total_tokens = sum(len(roll.completion_ids[i]) for i in rows) or 1
+        need_old = a.num_iterations > 1
+        old = {}
+        if need_old or a.kl_coef > 0:
+            with torch.no_grad():
+                for c in chunks:
+                    b = policy.batch([prompts[i] for i in c], [roll.completion_ids[i] for i in c])
+                    if need_old:
+                        old[("old", c[0])] = completion_logprobs(policy.model, b)[0]
+                    if a.kl_coef > 0:
+                        with policy.ref_context():
+                            old[("ref", c[0])] = completion_logprobs(policy.model, b)[0]
+        stats_sum: dict[str, float] = {}
+        params = policy.trainable_parameters()
+        policy.model.train()
+        grad_norm = 0.0
+        for _ in range(a.num_iterations):
+            self.optimizer.zero_grad(set_to_none=True)
+            for c in chunks:
+                b = policy.batch([prompts[i] for i in c], [roll.completion_ids[i] for i in c])
+                logp, entropy = completion_logprobs(policy.model, b, with_entropy=True)  # [n, C]
+                width = logp.shape[1]
+                slp = None
+                if roll.sampler_logprobs is not None and a.is_correction != "none":
+                    slp = _pad([roll.sampler_logprobs[i] for i in c], width).to(logp.device)
+                lval, st = loss.policy_loss(
+                    logp,
+                    old.get(("old", c[0]), logp.detach()),
+                    adv[c].to(logp.device),
+                    b.completion_mask,
+                    clip_eps_low=a.clip_eps_low,
+                    clip_eps_high=a.clip_eps_high,
+                    agg=a.loss_agg,
+                    ref_logp=old.get(("ref", c[0])),
+                    kl_coef=a.kl_coef,
+                    sampler_logp=slp,
+                    is_mode=a.is_correction,
+                    is_cap=a.is_cap,
+                    max_tokens=cfg.rollout.max_new_tokens,
+                )
+                share = loss.microbatch_weight(
+                    a.loss_agg, b.completion_mask, total_tokens, len(rows)
+                )
+                (lval * share).backward()
+                st["entropy"] = (entropy * b.completion_mask).sum().item() / max(
+                    b.completion_mask.sum().item(), 1
+                )
+                for k, v in st.items():
+                    stats_sum[k] = stats_sum.get(k, 0.0) + v * share / a.num_iterations
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm).item()
+            self.optimizer.step()
+        self.scheduler.step()
+        out = {f"train/{k}": v for k, v in stats_sum.items() if not k.startswith(("is_", "logp_"))}
+        out.update(
+            {f"rollout/{k}": v for k, v in stats_sum.items() if k.startswith(("is_", "logp_"))}
+        )
+        out["train/grad_norm"] = grad_norm
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, step: int) -> Path:
+        return checkpoint.save(
+            self.cfg.output_dir,
+            step,
+            self.policy,
+            self.optimizer,
+            self.scheduler,
+            self.prior,
+            self.sampler,
+            keep=self.cfg.train.keep_checkpoints,
+        )
+
+    def maybe_resume(self) -> int:
+        if not self.cfg.train.resume:
+            return 0
+        path = checkpoint.latest(self.cfg.output_dir)
+        if path is None:
+            print(
+                f"train.resume: no checkpoint in {self.cfg.output_dir}; starting fresh", flush=True
+            )
+            return 0
+        state = checkpoint.load(
+            path, self.policy, self.optimizer, self.scheduler, self.prior, self.sampler
+        )
+        self.backend.sync(self.policy, version=state["step"])
+        print(f"resumed from {path} (step {state['step']})", flush=True)
+        return int(state["step"])
+
+
+def build_run(cfg: config.Config) -> Run:
+    out = _prepare_output_dir(cfg)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    torch.manual_seed(cfg.train.seed)
+    train_ex, eval_ex = data.load_train_eval(cfg.data)
+    if not train_ex:
+        raise UserError("data: no training examples")
+    policy = Policy.from_config(cfg)
+    prompt_ids = [encode_prompt(policy.tokenizer, ex, cfg.data) for ex in train_ex]
+    fns, weights = _reward_functions(cfg)
+    sampler = curriculum.make_sampler(
+        cfg.curriculum.sampler,
+        len(train_ex),
+        cfg.train.seed,
+        topics=[ex.topic for ex in train_ex],
+        difficulties=[ex.difficulty for ex in train_ex],
+        difficulty_is_pass_rate=False,  # levels, and labels files store 1 - pass_rate
+        topic_order=cfg.curriculum.topic_order,
+        run_length=cfg.curriculum.run_length,
+        repeat=cfg.curriculum.repeat,
+    )
+    a = cfg.algo
+    prior = (
+        EBPrior(
+            tau2=a.tau2,
+            sigma2=a.sigma2,
+            center=a.center,
+            decay=a.decay,
+            min_count=a.min_count,
+            tau2_min=a.tau2_min,
+        )
+        if a.estimator == "ebpo"
+        else None
+    )
+    optimizer = torch.optim.AdamW(
+        policy.trainable_parameters(),
+        lr=cfg.train.lr,
+        betas=tuple(cfg.train.betas),
+        weight_decay=cfg.train.weight_decay,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(cfg.train))
+    if policy.device.type == "cuda":
+        from ebpo_lite.plan import preflight
+
+        preflight(cfg)
+    backend = make_backend(cfg, policy)
+    if not (out / "config.yaml").exists() or not cfg.train.resume:
+        (out / "config.yaml").write_text(config.dump(cfg))
+    return Run(
+        cfg,
+        policy,
+        backend,
+        train_ex,
+        eval_ex,
+        prompt_ids,
+        fns,
+        weights,
+        sampler,
+        prior,
+        optimizer,
+        scheduler,
+    )
+
+
+def encode_prompt(tokenizer, ex: data.Example, dcfg: config.DataConfig) -> list[int]:
+    """Token ids of a prompt: the raw text for the tiny task, the chat template otherwise."""
+    if dcfg.name == "arithmetic" and dcfg.path is None:
+        return tokenizer.encode(ex.prompt, add_special_tokens=False)
+    from ebpo_lite import mathdata
+
+    text = mathdata.format_prompt(tokenizer, ex, dcfg.system_prompt, dcfg.thinking)
+    return tokenizer.encode(text, add_special_tokens=False)[-dcfg.max_prompt_tokens :]
+
+
+def _reward_functions(cfg: config.Config):
+    names = list(cfg.reward.functions)
+    if names == ["auto"]:
+        names = [
+            "arithmetic_answer"
+            if cfg.data.name == "arithmetic" and cfg.data.path is None
+            else "math_answer"
+        ]
+    fns = []
+    for name in names:
+        try:
+            fns.append((name, rewards.get_reward_fn(name)))
+        except ValueError as e:
+            raise ConfigError(f"reward.functions: {e}") from None
+    weights = list(cfg.reward.weights) or [1.0] * len(fns)
+    return fns, weights
+
+
+def _schedule(t: config.TrainConfig):
+    def factor(step: int) -> float:
+        if t.warmup_steps and step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        if t.schedule == "cosine":
+            progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return 1.0
+
+    return factor
+
+
+def _prepare_output_dir(cfg: config.Config) -> Path:
+    out = Path(cfg.output_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write_test_{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"output_dir: cannot write to {out} ({e.strerror or e})") from None
+    return out
+
+
+def _pad(rows: list[list[float]], width: int) -> torch.Tensor:
+    out = torch.zeros((len(rows), width))
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r[:width])
+    return out
+
+
+def _concat(a: Rollout, b: Rollout) -> Rollout:
+    slp = (
+        a.sampler_logprobs + b.sampler_logprobs
+        if a.sampler_logprobs is not None and b.sampler_logprobs is not None
+        else None
+    )
+    return Rollout(
+        a.prompt_ids + b.prompt_ids,
+        a.completion_ids + b.completion_ids,
+        slp,
+        a.finished + b.finished,
+    )
+
+
+def _select(roll: Rollout, groups: list[int], G: int) -> Rollout:
+    rows = [g * G + j for g in groups for j in range(G)]
+    slp = [roll.sampler_logprobs[i] for i in rows] if roll.sampler_logprobs is not None else None
+    return Rollout(
+        [roll.prompt_ids[g] for g in groups],
+        [roll.completion_ids[i] for i in rows],
+        slp,
+        [roll.finished[i] for i in rows],
+    )

@@ -1,0 +1,153 @@
+"""The built-in tiny model: a 1.25 M-parameter Qwen3 with a character-level tokenizer.
+
+No download: the config comes from transformers, the tokenizer is built with `tokenizers`.
+Head size 64 and fp32 keep it servable by vLLM on CPU (see shared/PLATFORM.md). RL needs a
+policy that sometimes succeeds, so `warm_tiny_model` gives it a short supervised warm-up on the
+arithmetic task and caches the result as an ordinary Hugging Face model folder, which both the
+trainer and vLLM load by path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import string
+import time
+from pathlib import Path
+
+import torch
+
+VOCAB_SIZE = 128
+PAD, EOS, BOS = "<pad>", "<eos>", "<bos>"
+TINY_VERSION = 1  # bump when the architecture, tokenizer or warm-up recipe changes
+
+
+def tiny_config_kwargs() -> dict:
+    return dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
+
+
+def build_tokenizer():
+    """Character-level tokenizer: specials + printable ASCII, padded to VOCAB_SIZE."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [c for c in string.printable if c not in "\r\x0b\x0c"]
+    vocab_list = [PAD, EOS, BOS, "<unk>"] + chars
+    vocab_list += [f"<unused{i}>" for i in range(VOCAB_SIZE - len(vocab_list))]
+    assert len(vocab_list) == VOCAB_SIZE
+    vocab = {tok: i for i, tok in enumerate(vocab_list)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, eos_token=EOS, bos_token=BOS, unk_token="<unk>"
+    )
+    fast.padding_side = "left"
+    return fast
+
+
+def build_tiny_model(seed: int = 0):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(**tiny_config_kwargs())
+    return Qwen3ForCausalLM(config).to(torch.float32)
+
+
+def cache_root() -> Path:
+    root = os.environ.get("EBPO_LITE_CACHE") or Path.home() / ".cache" / "ebpo_lite"
+    return Path(root)
+
+
+def warm_tiny_model(steps: int, seed: int, data_seed: int, log=print) -> Path:
+    """Return a folder holding the tiny model after `steps` of supervised warm-up (cached)."""
+    key = json.dumps(dict(v=TINY_VERSION, steps=steps, seed=seed, data_seed=data_seed))
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    out = cache_root() / f"tiny-{digest}"
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    from ebpo_lite.data import arithmetic_examples
+
+    tokenizer = build_tokenizer()
+    model = build_tiny_model(seed)
+    if steps > 0:
+        t0 = time.perf_counter()
+        train = arithmetic_examples(6000, seed=data_seed, split="train")
+        acc = supervised_warmup(model, tokenizer, train, steps=steps, seed=seed)
+        log(
+            f"tiny model: supervised warm-up {steps} steps in {time.perf_counter() - t0:.0f}s "
+            f"(train-batch token accuracy {acc:.2f}); cached at {out}"
+        )
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process won the race: use its copy
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def supervised_warmup(
+    model, tokenizer, examples, steps: int, seed: int, batch: int = 64, lr: float = 3e-3
+) -> float:
+    """Teacher-forced cross-entropy on the answer tokens (+ EOS); returns last token accuracy."""
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 1 - s / max(steps, 1))
+    )
+    model.train()
+    acc = 0.0
+    for _ in range(steps):
+        idx = torch.randint(len(examples), (batch,), generator=gen).tolist()
+        prompts = [tokenizer.encode(examples[i].prompt) for i in idx]
+        answers = [tokenizer.encode(examples[i].answer) + [tokenizer.eos_token_id] for i in idx]
+        ids, labels, attn = _pack(prompts, answers, tokenizer.pad_token_id)
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]  # [N, T-1, V]
+        target = labels[:, 1:]  # [N, T-1]
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100
+        )
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        with torch.no_grad():
+            mask = target != -100
+            acc = (logits.argmax(-1)[mask] == target[mask]).float().mean().item()
+    model.eval()
+    return acc
+
+
+def _pack(prompts: list[list[int]], answers: list[list[int]], pad_id: int):
+    """Right-pad prompt+answer rows; labels are -100 outside the answer."""
+    rows = [p + a for p, a in zip(prompts, answers)]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)
+    attn = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (p, a) in enumerate(zip(prompts, answers)):
+        n = len(p) + len(a)
+        ids[i, :n] = torch.tensor(p + a)
+        labels[i, len(p) : n] = torch.tensor(a)
+        attn[i, :n] = 1
+    return ids, labels, attn

@@ -1,0 +1,225 @@
+"""`python -m ebpo_lite.train RECIPE.yaml [section.key=value ...]`: the whole RL loop.
+
+One step: sample prompts from the curriculum -> G completions each through the sampler ->
+rewards -> advantages (grpo / dr_grpo / rloo / ebpo) -> clipped-surrogate loss over micro-batches
+-> optimizer step -> push the adapter to the sampler -> metrics -> maybe eval -> maybe checkpoint.
+
+Simplifications, stated: one process, one policy; generation and training alternate (never
+overlap); the reference policy for the KL term is the adapter-disabled base; a group's completions
+share the prompt's advantage on every token (no token-level credit).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ebpo_lite import checkpoint, config
+from ebpo_lite.advantages import frac_zero_std_groups
+from ebpo_lite.errors import UserError
+from ebpo_lite.eval import evaluate_policy
+from ebpo_lite.metrics import Metrics
+from ebpo_lite.run import Run, build_run
+
+
+def train_step(run: Run, step: int) -> dict[str, Any]:
+    """One RL step, top to bottom. Returns the step's metrics."""
+    policy, G = run.policy, run.cfg.rollout.group_size
+    # 1. sample prompts and G completions each (prompt-major rows: i * G + g)
+    t0 = time.perf_counter()
+    idx, rollout, rewards, mask, extra_draws = run.sample_and_score(step)  # rewards/mask [B, G]
+    t_rollout = time.perf_counter() - t0
+    # 2. advantages, one per completion
+    keys = run.prior_keys(idx)
+    adv, adv_stats = run.advantages(rewards, mask, keys)  # [B, G]
+    run.sampler.update(idx, rewards)
+    # 3. loss and gradients over micro-batches, num_iterations passes over the rollout
+    t1 = time.perf_counter()
+    prompts = [rollout.prompt_ids[i // G] for i in range(len(rollout.completion_ids))]
+    loss_stats = run.optimize(prompts, rollout, adv.reshape(-1), mask.reshape(-1))
+    t_train = time.perf_counter() - t1
+    # 4. the sampler gets the new adapter (and base tensors, if any are trained)
+    run.backend.sync(policy, version=step)
+    t_sync = time.perf_counter() - t1 - t_train
+    # 5. metrics
+    lengths = torch.tensor([len(c) for c in rollout.completion_ids], dtype=torch.float)
+    valid = rewards[mask]
+    return {
+        "train/reward_mean": valid.mean().item() if valid.numel() else float("nan"),
+        "train/reward_std": valid.std().item() if valid.numel() > 1 else 0.0,
+        "train/response_len": lengths.mean().item(),
+        "train/truncated_frac": 1.0 - sum(rollout.finished) / max(len(rollout.finished), 1),
+        "train/frac_zero_std_groups": frac_zero_std_groups(rewards, mask),
+        "train/unscored_frac": 1.0 - mask.float().mean().item(),
+        "train/extra_draws": extra_draws,
+        "train/lr": run.scheduler.get_last_lr()[0],
+        **loss_stats,
+        **{f"adv/{k}": v for k, v in adv_stats.items()},
+        "time/rollout_s": t_rollout,
+        "time/train_s": t_train,
+        "time/sync_s": t_sync,
+    }
+
+
+def train(cfg: config.Config) -> dict[str, Any]:
+    """Run (or resume) training; returns the summary that is also printed."""
+    run = build_run(cfg)
+    out = Path(cfg.output_dir)
+    start = run.maybe_resume()
+    metrics = Metrics(
+        out,
+        cfg.train.steps,
+        start,
+        cfg.log.progress,
+        cfg.log.tensorboard,
+        cfg.log.wandb,
+        cfg.log.wandb_project,
+        config.to_dict(cfg),
+    )
+    stop = _StopFlag()
+    t_start = time.perf_counter()
+    first_eval = last_eval = None
+    if start == 0:
+        first_eval = evaluate_policy(run)
+        metrics.log(0, first_eval)
+    step, steps_here = start, 0
+    try:
+        while step < cfg.train.steps:
+            step += 1
+            try:
+                record = train_step(run, step)
+            except StopIteration:  # a one-pass curriculum ran out of prompts
+                print(f"curriculum exhausted after step {step - 1}", flush=True)
+                step -= 1
+                break
+            metrics.log(step, record)
+            metrics.progress(step, record)
+            steps_here += 1
+            final = step == cfg.train.steps
+            if (cfg.eval.every and step % cfg.eval.every == 0) or final:
+                last_eval = evaluate_policy(run)
+                metrics.log(step, last_eval)
+            interrupted = stop.raised or (
+                cfg.train.stop_after and steps_here >= cfg.train.stop_after
+            )
+            if (
+                final
+                or interrupted
+                or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0)
+            ):
+                run.save(step)
+            if interrupted:
+                why = (
+                    f"signal {stop.raised}"
+                    if stop.raised
+                    else f"train.stop_after={cfg.train.stop_after}"
+                )
+                print(
+                    f"stopped cleanly after step {step} ({why}); resume with train.resume=true",
+                    flush=True,
+                )
+                break
+    finally:
+        stop.restore()
+        metrics.close()
+        run.backend.close()
+    summary = _summary(cfg, run, first_eval, last_eval, step, time.perf_counter() - t_start)
+    return summary
+
+
+def _summary(cfg, run, first_eval, last_eval, step, seconds) -> dict[str, Any]:
+    summary: dict[str, Any] = {
+        "steps_done": step,
+        "seconds": round(seconds, 1),
+        "output_dir": str(cfg.output_dir),
+    }
+    for name, ev in (("before", first_eval), ("after", last_eval)):
+        if ev:
+            summary.update({f"{name}/{k.split('/', 1)[1]}": v for k, v in ev.items()})
+    ckpt = checkpoint.latest(cfg.output_dir)
+    summary["checkpoint"] = str(ckpt) if ckpt else None
+    lines = [f"done: {step} steps in {seconds:.0f}s"]
+    for key in ("accuracy", "expected_accuracy"):
+        if f"before/{key}" in summary and f"after/{key}" in summary:
+            lines.append(
+                f"eval/{key}: {summary[f'before/{key}']:.3f} -> {summary[f'after/{key}']:.3f}"
+            )
+        elif f"after/{key}" in summary:
+            lines.append(f"eval/{key}: {summary[f'after/{key}']:.3f}")
+    lines.append(
+        f"run: {cfg.output_dir} (metrics.jsonl, checkpoints/{Path(summary['checkpoint']).name if ckpt else ''})"
+    )
+    print("\n".join(lines), flush=True)
+    (Path(cfg.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+class _StopFlag:
+    """First SIGINT / SIGTERM: finish the step, checkpoint, exit 0. Second: stop at once."""
+
+    def __init__(self):
+        self.raised: str | None = None
+        self._old = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. a notebook worker)
+                pass
+
+    def _handle(self, signum, frame):
+        if self.raised:
+            self.restore()
+            raise KeyboardInterrupt
+        self.raised = signal.Signals(signum).name
+        print(
+            f"\n{self.raised}: finishing this step and writing a checkpoint "
+            "(send again to stop at once)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def restore(self):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old = {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(
+            "usage: python -m ebpo_lite.train RECIPE.yaml [section.key=value ...]\n"
+            "example: python -m ebpo_lite.train recipes/tiny_cpu.yaml train.steps=20"
+        )
+        return 0 if argv else 2
+    _quiet_libraries()
+    try:
+        cfg = config.load(argv[0], argv[1:])
+        train(cfg)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _quiet_libraries() -> None:
+    """Our progress display and summary are the output; silence library chatter."""
+    import logging
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""Config parsing and user errors: one line naming the key, file or file:line; exit status 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ebpo_lite import config
+from ebpo_lite.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "recipes" / "tiny_cpu.yaml"
+
+
+def test_recipe_loads_with_overrides():
+    cfg = config.load(
+        TINY,
+        [
+            "train.steps=20",
+            "train.seed=1",
+            "output_dir=runs/x",
+            "rollout.backend=hf",
+            "algo.estimator=grpo",
+            "train.lr=1e-5",
+        ],
+    )
+    assert cfg.train.steps == 20 and cfg.train.seed == 1 and cfg.output_dir == "runs/x"
+    assert cfg.algo.estimator == "grpo"
+    assert cfg.train.lr == pytest.approx(1e-5)  # YAML 1.1 reads 1e-5 as a string: accepted
+    assert cfg.model.trainable_extra == ["norm"]
+    assert config.load(TINY).train.steps == 200  # overrides do not leak between loads
+
+
+def test_yaml_string_float_in_file(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text("train:\n  lr: 1e-5\nalgo:\n  decay: 0.99\n  prior_key: topic\n")
+    cfg = config.load(p)
+    assert cfg.train.lr == pytest.approx(1e-5) and cfg.algo.decay == 0.99
+    assert cfg.algo.prior_key == "topic"
+
+
+def test_dump_round_trips(tmp_path):
+    cfg = config.load(TINY, ["algo.decay=0.9", "curriculum.topic_order=[mul,add]"])
+    p = tmp_path / "c.yaml"
+    p.write_text(config.dump(cfg))
+    assert config.load(p) == cfg
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("train.steps=-1", "train.steps: must be >= 1"),
+        ("train.lr=-0.1", "train.lr: must be > 0"),
+        ("train.lr=abc", "train.lr: expected a float"),
+        ("rollout.group_size=1", "rollout.group_size: must be >= 2"),
+        ("algo.estimator=ppo", "algo.estimator: expected one of"),
+        ("train.stepz=3", "train.stepz: unknown key"),
+        ("trainer.steps=3", "trainer: unknown section"),
+        ("train.steps=2.5", "train.steps: expected an integer"),
+        ("model.load_in_4bit=maybe", "model.load_in_4bit: expected true or false"),
+        ("algo.decay=1.5", "algo.decay: must be in (0, 1)"),
+        ("reward.weights=[1,2]", "reward.weights: expected 1 weights"),
+        ("curriculum.sampler=random", "curriculum.sampler: expected one of"),
+        ("train", "overrides are written key=value"),
+    ],
+)
+def test_bad_values_name_the_key(override, needle):
+    with pytest.raises(ConfigError) as e:
+        config.load(TINY, [override])
+    assert needle in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="recipe file not found"):
+        config.load(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  steps: 3\n  lr: [1,\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml:\d+: not valid YAML"):
+        config.load(bad)
+    top = tmp_path / "list.yaml"
+    top.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping of sections"):
+        config.load(top)
+
+
+def _cli(*args, cwd=REPO):
+    return subprocess.run(
+        [sys.executable, "-m", "ebpo_lite.train", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["missing.yaml"], "missing.yaml: recipe file not found"),
+        ([TINY, "train.steps=-1"], "train.steps"),
+        ([TINY, "rollout.group_size=1"], "rollout.group_size"),
+        ([TINY, "algo.estimator=nope"], "algo.estimator"),
+        ([TINY, "bogus.key=1"], "bogus: unknown section"),
+        ([TINY, "output_dir=/proc/forbidden/run"], "output_dir: cannot write"),
+        ([TINY, "data.path=/nonexistent/file.jsonl"], "/nonexistent/file.jsonl"),
+    ],
+)
+def test_user_errors_exit_2_with_one_line(args, needle, capsys, monkeypatch, tmp_path):
+    from ebpo_lite.train import main
+
+    monkeypatch.chdir(REPO)
+    if "output_dir=/proc" not in str(args):
+        args = [*args, f"output_dir={tmp_path / 'run'}"]
+    assert main([str(a) for a in args]) == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    assert needle in lines[0]
+
+
+def test_cli_process_exit_status_and_no_traceback():
+    r = _cli(TINY, "train.steps=-1")
+    assert r.returncode == 2
+    assert r.stderr.strip() == "error: train.steps: must be >= 1, got -1"
+
+
+def test_cli_help():
+    r = _cli("--help")
+    assert r.returncode == 0 and "usage" in r.stdout

@@ -1,0 +1,201 @@
+"""End-to-end CPU runs of the training loop on the built-in tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ebpo_lite import config
+from ebpo_lite.metrics import read_metrics
+from ebpo_lite.train import train
+from tests.conftest import REPO, TINY_RECIPE, fast_overrides
+
+REQUIRED = [
+    "train/reward_mean",
+    "train/loss",
+    "train/grad_norm",
+    "train/kl",
+    "train/entropy",
+    "train/response_len",
+    "train/frac_zero_std_groups",
+    "adv/shrinkage",
+    "adv/mu_glob",
+    "adv/sigma2",
+    "adv/tau2",
+    "time/rollout_s",
+    "time/train_s",
+]
+
+
+def _cfg(out, **extra):
+    return config.load(TINY_RECIPE, fast_overrides(out, **extra))
+
+
+def _adapter(out, step):
+    return load_file(out / "checkpoints" / f"step_{step}" / "trainable.safetensors")
+
+
+def test_smoke_run_trains_and_logs(tmp_path):
+    out = tmp_path / "run"
+    summary = train(_cfg(out, **{"train.checkpoint_every": 2}))
+    recs = read_metrics(out / "metrics.jsonl")
+    steps = [r for r in recs if "train/loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for key in REQUIRED:
+        assert all(key in r for r in steps), key
+    evals = [r for r in recs if "eval/accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 3]  # before the first step and after the last
+    assert "eval/expected_accuracy" in evals[0]
+    assert (out / "config.yaml").is_file() and config.load(out / "config.yaml").train.steps == 3
+    assert summary["steps_done"] == 3
+    # trained parameters moved away from the initial adapter (LoRA B starts at zero)
+    trained = _adapter(out, 3)
+    lora_b = [v for k, v in trained.items() if "lora_B" in k]
+    assert lora_b and any(v.abs().sum() > 0 for v in lora_b)
+    assert any("norm" in k for k in trained)  # trainable_extra: norms are trained and saved
+    # peft can load the adapter of a checkpoint
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(
+        json.loads((out / "checkpoints" / "step_3" / "adapter_config.json").read_text())[
+            "base_model_name_or_path"
+        ]
+    )
+    peft_model = PeftModel.from_pretrained(base, out / "checkpoints" / "step_3")
+    got = dict(peft_model.named_parameters())
+    name = next(k for k in trained if "lora_B" in k)
+    assert torch.equal(got[name.replace(".default.", ".default.")].detach(), trained[name])
+    # keep_checkpoints=2: step_2 and step_3 remain, no temporary folders
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == ["step_2", "step_3"]
+
+
+def test_resume_is_exact(tmp_path):
+    """8 steps straight == 4 steps, stop, resume for 4: same adapter and EB prior state."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    common = {"train.steps": 8, "curriculum.sampler": "adaptive"}
+    train(_cfg(a, **common))
+    train(_cfg(b, **common, **{"train.stop_after": 4}))
+    assert sorted(p.name for p in (b / "checkpoints").iterdir()) == ["step_4"]
+    train(_cfg(b, **common, **{"train.resume": "true"}))
+    wa, wb = _adapter(a, 8), _adapter(b, 8)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+    pa = json.loads((a / "checkpoints" / "step_8" / "prior.json").read_text())
+    pb = json.loads((b / "checkpoints" / "step_8" / "prior.json").read_text())
+    assert pa == pb
+    ma = [r for r in read_metrics(a / "metrics.jsonl") if "train/loss" in r]
+    mb = [r for r in read_metrics(b / "metrics.jsonl") if "train/loss" in r]
+    assert [r["step"] for r in mb] == list(range(1, 9))  # one history, no duplicates
+    assert [r["train/reward_mean"] for r in ma] == [r["train/reward_mean"] for r in mb]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"algo.estimator": "grpo"},
+        {"algo.estimator": "dr_grpo", "algo.loss_agg": "dr_grpo"},
+        {"algo.estimator": "rloo", "algo.loss_agg": "seq_mean"},
+        {"algo.prior_key": "topic", "algo.min_count": 2, "curriculum.sampler": "topic"},
+        {"curriculum.sampler": "difficulty", "algo.tau2": "moments", "algo.center": "false"},
+        {"curriculum.dynamic_sampling": "true", "algo.kl_coef": 0.01, "algo.num_iterations": 2},
+    ],
+)
+def test_variants_run(tmp_path, extra):
+    out = tmp_path / "run"
+    train(_cfg(out, **{"train.steps": 2}, **extra))
+    steps = [r for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r]
+    assert len(steps) == 2 and all(r["train/grad_norm"] >= 0 for r in steps)
+    if extra.get("algo.kl_coef"):
+        assert steps[-1]["train/kl"] > 0  # the adapter moved away from the reference
+    if extra.get("curriculum.dynamic_sampling"):
+        assert all("train/extra_draws" in r for r in steps)
+
+
+def test_four_bit_policy_runs(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    out = tmp_path / "run"
+    train(_cfg(out, **{"model.load_in_4bit": "true", "train.steps": 2}))
+    steps = [r for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r]
+    assert len(steps) == 2
+    from ebpo_lite.policy import Policy
+
+    policy = Policy.from_config(_cfg(out, **{"model.load_in_4bit": "true"}))
+    import bitsandbytes as bnb
+
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in policy.model.modules())
+
+
+def test_sigterm_finishes_step_and_checkpoints(tmp_path):
+    out = tmp_path / "run"
+    args = fast_overrides(out, **{"train.steps": 500, "log.progress": "lines"})
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ebpo_lite.train", str(TINY_RECIPE), *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        if metrics.exists() and any(
+            '"train/loss"' in ln for ln in metrics.read_text().splitlines()
+        ):
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    assert "stopped cleanly" in stdout
+    ckpts = [p.name for p in (out / "checkpoints").iterdir()]
+    assert len(ckpts) == 1 and ckpts[0].startswith("step_")
+    last = max(r["step"] for r in read_metrics(metrics))
+    assert ckpts[0] == f"step_{last}"
+
+
+@pytest.mark.slow
+def test_readme_main_command_learns(tmp_path):
+    """The README's main command, as a newcomer runs it: expected accuracy must rise."""
+    out = tmp_path / "tiny"
+    r = subprocess.run(
+        [sys.executable, "-m", "ebpo_lite.train", "recipes/tiny_cpu.yaml", f"output_dir={out}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    before, after = summary["before/expected_accuracy"], summary["after/expected_accuracy"]
+    print(r.stdout[-800:])
+    assert after > before + 0.03, summary
+
+
+@pytest.mark.slow
+def test_notebook_runs(tmp_path):
+    """The quickstart notebook is a thin client: it must execute top to bottom."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    nb = nbformat.read(REPO / "notebooks" / "quickstart.ipynb", as_version=4)
+    os.environ.update(EBPO_NOTEBOOK_STEPS="3", EBPO_NOTEBOOK_OUT=str(tmp_path / "nb"))
+    try:
+        nbclient.NotebookClient(
+            nb, timeout=600, resources={"metadata": {"path": str(REPO)}}
+        ).execute()
+    finally:
+        for k in ("EBPO_NOTEBOOK_STEPS", "EBPO_NOTEBOOK_OUT"):
+            os.environ.pop(k, None)
+    assert (tmp_path / "nb" / "curves.png").is_file()
