@@ -450,8 +450,6 @@ def _done_records(partial: Path, settings: dict[str, Any]) -> dict[tuple[str, in
         raise UserError(
             f"{partial}: holds results for other settings {diff}; delete it or choose another --out"
         )
-    if not rows:
-        append_jsonl(partial, [{"settings": settings}])
     return {(r["benchmark"], r["index"]): r for r in rows[1:]}
 
 
@@ -557,6 +555,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         data=dataclasses.replace(cfg.data, max_prompt_tokens=max(longest, 1)),
     )
     sampler, backend = make_sampler(scfg, policy, args.backend)
+    if not partial.is_file() or not partial.read_text().strip():  # written once the model loaded
+        append_jsonl(partial, [{"settings": _settings(args, cfg, ckpt)}])
     per_bench: dict[str, dict[str, float]] = {}
     try:
         for bench in benches:

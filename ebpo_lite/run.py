@@ -77,7 +77,10 @@ class Run:
         G = len(roll.completion_ids) // len(examples)
         tok = self.policy.tokenizer
         texts = tok.batch_decode(roll.completion_ids, skip_special_tokens=True)
-        columns: dict[str, Any] = {"answer": [ex.answer for ex in examples for _ in range(G)]}
+        columns: dict[str, Any] = {
+            "prompts": [ex.prompt for ex in examples for _ in range(G)],  # TRL's convention
+            "answer": [ex.answer for ex in examples for _ in range(G)],
+        }
         for key in sorted({k for ex in examples for k in ex.meta}):
             columns[key] = [ex.meta.get(key) for ex in examples for _ in range(G)]
         total, _ = rewards.combine_rewards(

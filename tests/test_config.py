@@ -65,6 +65,7 @@ def test_dump_round_trips(tmp_path):
         ("reward.weights=[1,2]", "reward.weights: expected 1 weights"),
         ("curriculum.sampler=random", "curriculum.sampler: expected one of"),
         ("train", "overrides are written key=value"),
+        ("eval.benchmarks=[math501]", "eval.benchmarks: expected one of"),
     ],
 )
 def test_bad_values_name_the_key(override, needle):
