@@ -71,11 +71,11 @@ class Metrics:
 
     def progress(self, step: int, record: dict[str, Any]) -> None:
         """Update the bar (or print a line every few steps) after training step `step`."""
-        acc = self.last_eval.get("eval/accuracy")
         fields = {
             "reward": record.get("train/reward_mean"),
             "S": record.get("adv/shrinkage"),
-            "eval_acc": acc,
+            "eval_acc": self.last_eval.get("eval/accuracy"),
+            "eval_exp_acc": self.last_eval.get("eval/expected_accuracy"),
         }
         shown = {k: f"{v:.3f}" for k, v in fields.items() if isinstance(v, (int, float))}
         if self.bar is not None:
