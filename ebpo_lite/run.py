@@ -157,8 +157,8 @@ class Run:
                 b = policy.batch([prompts[i] for i in c], [roll.completion_ids[i] for i in c])
                 logp, entropy = completion_logprobs(policy.model, b, with_entropy=True)  # [n, C]
                 width = logp.shape[1]
-                slp = None
-                if roll.sampler_logprobs is not None and a.is_correction != "none":
+                slp = None  # the sampler's log-probs: mismatch metrics always, correction if asked
+                if roll.sampler_logprobs is not None:
                     slp = _pad([roll.sampler_logprobs[i] for i in c], width).to(logp.device)
                 lval, st = loss.policy_loss(
                     logp,
@@ -171,7 +171,7 @@ class Run:
                     ref_logp=old.get(("ref", c[0])),
                     kl_coef=a.kl_coef,
                     sampler_logp=slp,
-                    is_mode=a.is_correction,
+                    is_mode=a.is_correction if slp is not None else "none",
                     is_cap=a.is_cap,
                     max_tokens=cfg.rollout.max_new_tokens,
                 )
@@ -182,8 +182,7 @@ class Run:
                 st["entropy"] = (entropy * b.completion_mask).sum().item() / max(
                     b.completion_mask.sum().item(), 1
                 )
-                for k, v in st.items():
-                    stats_sum[k] = stats_sum.get(k, 0.0) + v * share / a.num_iterations
+                _accumulate(stats_sum, st, share / a.num_iterations)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm).item()
             self.optimizer.step()
         self.scheduler.step()
@@ -232,6 +231,9 @@ def build_run(cfg: config.Config) -> Run:
     train_ex, eval_ex = data.load_train_eval(cfg.data)
     if not train_ex:
         raise UserError("data: no training examples")
+    from ebpo_lite.plan import preflight
+
+    preflight(cfg)  # on a GPU: refuse a plan that cannot fit before the model loads (CPU: no-op)
     policy = Policy.from_config(cfg)
     prompt_ids = [encode_prompt(policy.tokenizer, ex, cfg.data) for ex in train_ex]
     fns, weights = _reward_functions(cfg)
@@ -266,10 +268,6 @@ def build_run(cfg: config.Config) -> Run:
         weight_decay=cfg.train.weight_decay,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(cfg.train))
-    if policy.device.type == "cuda":
-        from ebpo_lite.plan import preflight
-
-        preflight(cfg)
     backend = make_backend(cfg, policy)
     if not (out / "config.yaml").exists() or not cfg.train.resume:
         (out / "config.yaml").write_text(config.dump(cfg))
@@ -339,6 +337,17 @@ def _prepare_output_dir(cfg: config.Config) -> Path:
     except OSError as e:
         raise ConfigError(f"output_dir: cannot write to {out} ({e.strerror or e})") from None
     return out
+
+
+def _accumulate(total: dict[str, float], stats: dict[str, float], weight: float) -> None:
+    """Combine micro-batch stats: extremes by max / min, everything else as a weighted mean."""
+    for k, v in stats.items():
+        if k.endswith("_max"):
+            total[k] = max(total.get(k, -math.inf), v)
+        elif k.endswith("_min"):
+            total[k] = min(total.get(k, math.inf), v)
+        else:
+            total[k] = total.get(k, 0.0) + v * weight
 
 
 def _pad(rows: list[list[float]], width: int) -> torch.Tensor:

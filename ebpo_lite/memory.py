@@ -1,0 +1,277 @@
+"""Memory arithmetic of a decoder-only transformer: parameters, NF4 weights, LoRA, activations.
+
+Pure functions on architecture numbers (no torch, no config); `ebpo_lite.plan` adds them up.
+Architecture numbers come from `model_specs.json` (the public config.json of the models the
+recipes name), from `<folder>/config.json`, or from `ebpo_lite.tiny`.
+
+Notation: L layers, h hidden size, I MLP size, V vocabulary, n_q / n_kv heads of size d,
+q = n_q * d, kv = n_kv * d, a = bytes of the compute dtype (2 for bf16 / fp16), r LoRA rank,
+T tokens in a micro-batch.
+
+- Weights. 16-bit base: params * a. NF4 base (bitsandbytes Linear4bit, blocksize 64, double
+  quantisation as in QLoRA): per linear weight of n values, n/2 bytes of packed 4-bit codes, n/64
+  one-byte absmax, n/64/256 fp32 second-level absmax and ~1 KiB of code books; embeddings,
+  lm_head and norms stay 16-bit (transformers never quantises them).
+- LoRA: r * (in + out) per adapted module.
+- Activations: adapted from Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+  Transformer Models", sec. 4.1: 34*s*b*h + 5*a*s^2*b bytes per GPT layer) by listing the tensors
+  autograd keeps in a transformers Qwen3 / Llama layer with a frozen base (RMSNorm, GQA, SwiGLU, no
+  dropout), per token: norms 2 * (4h + 4) (fp32 upcast and rsqrt inside RMSNorm); Qwen3 q/k-norm
+  fp32 upcasts 4(q + kv) + 4(n_q + n_kv); Q, K, V at full head count 3a*q (transformers repeats
+  K/V heads when a padding mask is present) + attention output a*q + fp32 logsumexp 4*n_q;
+  SwiGLU 3a*I (SiLU input, SiLU output, up output). Frozen base linears (bf16 or bitsandbytes
+  NF4) keep no input; the LoRA adapters do: with a 16-bit base and fp32 adapters (no autocast)
+  peft casts each adapted module's input to its own fp32 copy (4 * in_features per module) and
+  keeps A.x (4r); otherwise adapters share the base input (a * each distinct input). sdpa /
+  flash keep no [n_q, s, s] matrix; eager adds (4 + a) * n_q * s^2 per sequence (fp32 softmax
+  output and its cast). With gradient checkpointing only each layer's input (a*h per token)
+  stays, plus one layer recomputed in backward. Plus the final norm (4h + 4 per token).
+  Checked against the bytes autograd actually saves for the tiny model (tests/test_plan.py):
+  within 2-8 % above, the excess being layer 0's norm (its input needs no gradient) and masks.
+- Logits: 12 * V bytes per position whose logits are computed: the fp32 copy that logsumexp keeps
+  for backward, then in backward its softmax-weighted gradient and the gather's scattered
+  gradient, all [positions, V] fp32 (the forward's entropy under no_grad peaks alike).
+- KV cache: 2 * L * kv * (KV dtype bytes) per token.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ebpo_lite.errors import UserError
+
+GIB = 2**30
+NF4_BLOCK, NF4_DQ_BLOCK = 64, 256
+NF4_TENSOR_BYTES = 16 * 4 + 256 * 4 + 4  # NF4 code book, 8-bit absmax code book, offset
+LOGITS_BYTES_PER_VALUE = 12
+ASSUME_AUTOCAST = False  # peft's fp32 copies of LoRA inputs vanish under torch.autocast
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Arch:
+    """The architecture numbers the planner needs (names as in a transformers config.json)."""
+
+    name: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def qk_norm(self) -> bool:  # Qwen3 normalises Q and K per head
+        return self.model_type == "qwen3"
+
+
+# ----------------------------------------------------------------------------- architectures
+
+
+def load_specs() -> dict[str, dict[str, Any]]:
+    path = Path(__file__).with_name("model_specs.json")
+    return {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_")}
+
+
+def arch_from_config(d: dict[str, Any], name: str, where: str) -> Arch:
+    """Build an Arch from a config.json mapping; UserError naming `where` and the missing key."""
+    if "hidden_size" not in d and isinstance(d.get("text_config"), dict):
+        d = d["text_config"]
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+    ):
+        if not isinstance(d.get(key), int):
+            raise UserError(f"{where}: {key} missing or not an integer")
+    heads = d["num_attention_heads"]
+    return Arch(
+        name=name,
+        model_type=str(d.get("model_type", "")),
+        vocab_size=d["vocab_size"],
+        hidden_size=d["hidden_size"],
+        intermediate_size=d["intermediate_size"],
+        num_hidden_layers=d["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=d.get("num_key_value_heads") or heads,
+        head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(d.get("max_position_embeddings") or 0),
+    )
+
+
+def arch_for(name: str) -> Arch:
+    """`tiny`, a local folder with config.json, or a model named in model_specs.json."""
+    if name == "tiny":
+        from ebpo_lite.tiny import tiny_config_kwargs
+
+        return arch_from_config({"model_type": "qwen3", **tiny_config_kwargs()}, "tiny", "tiny")
+    folder = Path(name).expanduser()
+    if folder.is_dir():
+        cfg_path = folder / "config.json"
+        if not cfg_path.is_file():
+            raise UserError(f"model.name: {folder} is a folder without config.json")
+        try:
+            data = json.loads(cfg_path.read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"{cfg_path}: cannot read as JSON ({e})") from None
+        return arch_from_config(data, name, str(cfg_path))
+    specs = load_specs()
+    by_lower = {k.lower(): k for k in specs} | {k.split("/")[-1].lower(): k for k in specs}
+    key = by_lower.get(name.lower())
+    if key is None:
+        raise UserError(
+            f"model.name: no architecture numbers for {name!r} (known: {', '.join(specs)}); "
+            "give a local folder holding its config.json"
+        )
+    return arch_from_config(specs[key], key, f"model_specs.json[{key}]")
+
+
+# ----------------------------------------------------------------------------- parameter math
+
+
+def linear_shapes(arch: Arch) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each linear layer of one decoder layer."""
+    h, i, q, kv = arch.hidden_size, arch.intermediate_size, arch.q_dim, arch.kv_dim
+    return {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }
+
+
+def param_counts(arch: Arch) -> dict[str, int]:
+    """Parameter counts by group: linear (quantisable), embed, lm_head, norm, total."""
+    h, L = arch.hidden_size, arch.num_hidden_layers
+    linear = L * sum(a * b for a, b in linear_shapes(arch).values())
+    norm_per_layer = 2 * h + (2 * arch.head_dim if arch.qk_norm else 0)
+    embed = arch.vocab_size * h
+    lm_head = 0 if arch.tie_word_embeddings else embed
+    norm = L * norm_per_layer + h  # + the final norm
+    return {
+        "linear": linear,
+        "embed": embed,
+        "lm_head": lm_head,
+        "norm": norm,
+        "total": linear + embed + lm_head + norm,
+    }
+
+
+def nf4_bytes(n: int) -> int:
+    """Bytes bitsandbytes keeps for one NF4 weight of n values (blocksize 64, double quant)."""
+    blocks = math.ceil(n / NF4_BLOCK)
+    return math.ceil(n / 2) + blocks + 4 * math.ceil(blocks / NF4_DQ_BLOCK) + NF4_TENSOR_BYTES
+
+
+def base_weight_bytes(arch: Arch, four_bit: bool, a: int) -> int:
+    """The frozen base model: NF4 linear layers + 16-bit rest, or everything at `a` bytes."""
+    counts = param_counts(arch)
+    rest = counts["embed"] + counts["lm_head"] + counts["norm"]
+    if not four_bit:
+        return counts["total"] * a
+    per_layer = sum(nf4_bytes(i * o) for i, o in linear_shapes(arch).values())
+    return arch.num_hidden_layers * per_layer + rest * a
+
+
+def lora_targets(names: list[str]) -> tuple[str, ...]:
+    """model.lora_target_modules -> the adapted linear names ('all-linear' = all seven)."""
+    if any(n == "all-linear" for n in names):
+        return LINEARS
+    unknown = [n for n in names if n.split(".")[-1] not in LINEARS]
+    if unknown:
+        raise UserError(
+            f"model.lora_target_modules: cannot plan for {unknown} "
+            f"(known: all-linear, {', '.join(LINEARS)})"
+        )
+    return tuple(n for n in LINEARS if n in {x.split(".")[-1] for x in names})
+
+
+def lora_param_count(arch: Arch, rank: int, targets: tuple[str, ...]) -> int:
+    shapes = linear_shapes(arch)
+    return arch.num_hidden_layers * sum(rank * sum(shapes[t]) for t in targets)
+
+
+def extra_trainable_count(arch: Arch, substrings: list[str]) -> int:
+    """Base parameters made trainable by model.trainable_extra (embed_tokens, lm_head, norm)."""
+    counts, total = param_counts(arch), 0
+    for group, names in (
+        ("embed", ("embed_tokens", "embed")),
+        ("lm_head", ("lm_head",)),
+        ("norm", ("norm", "layernorm")),
+    ):
+        if any(s in n or n in s for s in substrings for n in names):
+            total += counts[group]
+    return total
+
+
+def kv_bytes_per_token(arch: Arch, kv_bytes: int) -> int:
+    return 2 * arch.num_hidden_layers * arch.kv_dim * kv_bytes
+
+
+# ----------------------------------------------------------------------------- activation math
+
+
+def layer_bytes_per_token(
+    arch: Arch, a: int, rank: int, targets: tuple[str, ...], autocast: bool = ASSUME_AUTOCAST
+) -> int:
+    """Bytes autograd keeps per token in one decoder layer (see the module docstring)."""
+    h, i, q, kv = arch.hidden_size, arch.intermediate_size, arch.q_dim, arch.kv_dim
+    heads = arch.num_attention_heads
+    total = 2 * (4 * h + 4)  # two RMSNorms: fp32 upcast + rsqrt
+    if arch.qk_norm:
+        total += 4 * (q + kv) + 4 * (heads + arch.num_key_value_heads)
+    total += 3 * a * q + a * q + 4 * heads  # Q, K, V (full heads), output, logsumexp
+    total += 3 * a * i  # SiLU input, SiLU output, up output
+    shapes = linear_shapes(arch)
+    if a < 4 and not autocast:  # each adapter casts its own fp32 copy of its input
+        return total + sum(4 * shapes[t][0] + 4 * rank for t in targets)
+    inputs = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gu", "up_proj": "gu"}
+    shared = {inputs.get(t, t): shapes[t][0] for t in targets}  # adapters share one input
+    return total + a * sum(shared.values()) + sum((a if autocast else 4) * rank for _ in targets)
+
+
+def activation_bytes(
+    arch: Arch,
+    a: int,
+    rank: int,
+    targets: tuple[str, ...],
+    micro_batch: int,
+    seq: int,
+    checkpointing: bool,
+    attn: str,
+) -> int:
+    """Saved activations for one micro-batch of `micro_batch` sequences of `seq` tokens."""
+    tokens = micro_batch * seq  # T
+    one_layer = tokens * layer_bytes_per_token(arch, a, rank, targets)
+    if attn == "eager":
+        one_layer += micro_batch * (4 + (a if a < 4 else 0)) * arch.num_attention_heads * seq**2
+    head = tokens * (4 * arch.hidden_size + 4)  # final norm (lm_head is frozen: keeps no input)
+    if checkpointing:
+        return arch.num_hidden_layers * tokens * a * arch.hidden_size + one_layer + head
+    return arch.num_hidden_layers * one_layer + head
+
+
+def logits_bytes(arch: Arch, tokens: int) -> int:
+    return tokens * arch.vocab_size * LOGITS_BYTES_PER_VALUE

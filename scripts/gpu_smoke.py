@@ -1,0 +1,302 @@
+"""GPU smoke test: a few real training steps per backend on a CUDA machine, no internet.
+
+    python scripts/gpu_smoke.py [--steps 4] [--model tiny|small] [--only hf_16bit,vllm_nf4]
+
+Runs `ebpo_lite.train.main(argv)` on recipes/tiny_cpu.yaml moved to the GPU (model.device=cuda),
+once per variant, each in its own child process (clean CUDA state, exact peak memory):
+
+    hf_16bit    transformers sampler, bf16 (fp16 on GPUs without native bf16: T4, V100, P100)
+    hf_nf4      + NF4 base (bitsandbytes)                 skipped when bitsandbytes is missing
+    vllm_16bit  colocated vLLM sampler (adapter-only sync) skipped when vllm is missing
+    vllm_nf4    + NF4 base in trainer and vLLM             skipped without vllm or bitsandbytes
+    unsloth     Unsloth sampler                            skipped when unsloth is missing
+
+The model is built locally: `tiny` (1.25 M parameters, warmed up for a few hundred supervised
+steps first, so rewards are not all zero) or `small` (a 8-layer, 1024-wide Qwen3 with the tiny
+character tokenizer, random weights, saved to a temporary folder). Each variant records: its
+status (ok / failed / skipped and why), wall time, per-step times (time/rollout_s, time/train_s),
+peak memory (torch.cuda.max_memory_allocated / max_memory_reserved), the device's used memory at
+the end (vLLM's sleep-mode pool is outside torch's counters), the sampler / trainer log-prob gap
+(rollout/logp_diff_max from <output_dir>/metrics.jsonl), the mean reward, and the memory
+planner's estimate for the same config (to calibrate ebpo_lite/plan.py's constants).
+
+Writes benchmarks/results/gpu_smoke_<gpu>.json. Exit status: 0 all that ran passed, 1 a variant
+failed, 2 no CUDA device (this script refuses to run on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "tiny_cpu.yaml"
+VARIANTS = ("hf_16bit", "hf_nf4", "vllm_16bit", "vllm_nf4", "unsloth")
+
+
+def missing_requirements(variant: str) -> str | None:
+    """Why a variant cannot run here (a missing package or backend module), or None."""
+    needs = {
+        "hf_nf4": ["bitsandbytes"],
+        "vllm_16bit": ["vllm"],
+        "vllm_nf4": ["vllm", "bitsandbytes"],
+        "unsloth": ["unsloth"],
+    }.get(variant, [])
+    for pkg in needs:
+        if importlib.util.find_spec(pkg) is None:
+            return f"{pkg} is not installed"
+    if variant == "unsloth" and not (REPO / "ebpo_lite" / "rollout" / "unsloth.py").is_file():
+        return "ebpo_lite has no unsloth backend module"
+    return None
+
+
+def variant_overrides(variant: str, out_dir: Path, steps: int, dtype: str, model: str) -> list[str]:
+    """The `section.key=value` overrides that turn the tiny CPU recipe into this GPU variant."""
+    ov = {
+        "output_dir": str(out_dir),
+        "model.device": "cuda",
+        "model.dtype": dtype,
+        "model.name": model,
+        "model.trainable_extra": "[]",  # the flagship path: LoRA only, adapter-only sync
+        "model.sft_warmup_steps": 300,
+        "data.num_eval": 16,
+        "eval.num_examples": 16,
+        "eval.every": 0,
+        "train.steps": steps,
+        "train.checkpoint_every": 0,
+        "train.threads": 0,
+        "train.micro_batch_size": 64,
+        "log.progress": "lines",
+        "rollout.backend": variant.split("_")[0],
+        "model.load_in_4bit": str(variant.endswith("nf4")).lower(),
+    }
+    if ov["rollout.backend"] in ("vllm", "unsloth"):
+        ov["rollout.gpu_memory_utilization"] = 0.3
+    return [f"{k}={v}" for k, v in ov.items()]
+
+
+def read_metrics(path: Path) -> dict:
+    """Per-step times, the largest sampler/trainer log-prob gap and rewards from metrics.jsonl."""
+    steps, gaps, rewards = [], [], []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            if "time/rollout_s" in rec:
+                steps.append(
+                    {
+                        "step": rec.get("step"),
+                        "rollout_s": rec["time/rollout_s"],
+                        "train_s": rec.get("time/train_s"),
+                    }
+                )
+            if isinstance(rec.get("rollout/logp_diff_max"), (int, float)):
+                gaps.append(rec["rollout/logp_diff_max"])
+            if isinstance(rec.get("train/reward_mean"), (int, float)):
+                rewards.append(rec["train/reward_mean"])
+    return {
+        "step_times": steps,
+        "logp_diff_max": max(gaps) if gaps else None,
+        "logp_diff_max_last": gaps[-1] if gaps else None,
+        "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+    }
+
+
+def build_small_model(folder: Path) -> str:
+    """A larger Qwen3 (8 x 1024, head size 64) with the tiny tokenizer, random weights, saved."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from ebpo_lite.tiny import build_tokenizer, tiny_config_kwargs
+
+    kw = tiny_config_kwargs() | dict(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=64,
+    )
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(Qwen3Config(**kw)).save_pretrained(folder)
+    build_tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
+def run_child(variant: str, argv: list[str], result_path: Path) -> int:
+    """In the child: train, then write what ran and what it cost as JSON."""
+    import torch
+
+    from ebpo_lite import config, plan, train
+
+    torch.cuda.set_device(0)
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    rc = train.main(argv)
+    wall = time.perf_counter() - t0
+    free, total = torch.cuda.mem_get_info()
+    cfg = config.load(argv[0], argv[1:])
+    res = {
+        "variant": variant,
+        "rc": rc,
+        "wall_s": wall,
+        "argv": argv,
+        "peak_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_reserved_gb": torch.cuda.max_memory_reserved() / 2**30,
+        "device_used_at_end_gb": (total - free) / 2**30,
+        **read_metrics(Path(cfg.output_dir) / "metrics.jsonl"),
+    }
+    try:
+        p = plan.plan(cfg, total / 2**30, torch.cuda.get_device_name(0))
+        res["planned"] = {
+            k: p[k]
+            for k in (
+                "trainer_static_gb",
+                "activations_gb",
+                "logits_gb",
+                "training_phase_gb",
+                "generation_phase_gb",
+                "vllm_need_gb",
+                "total_gb",
+            )
+        }
+    except Exception as e:  # the plan is a by-product here, never a failure
+        res["planned"] = f"no plan: {e}"
+    result_path.write_text(json.dumps(res, indent=2))
+    return rc
+
+
+def gpu_facts() -> dict:
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    versions = {}
+    for pkg in ("torch", "transformers", "peft", "bitsandbytes", "vllm", "unsloth"):
+        try:
+            versions[pkg] = __import__(pkg).__version__ if importlib.util.find_spec(pkg) else None
+        except Exception as e:  # an installed but broken package: say so
+            versions[pkg] = f"import failed: {type(e).__name__}"
+    cap = torch.cuda.get_device_capability(0)
+    return {
+        "gpu": torch.cuda.get_device_name(0),
+        "capability": f"{cap[0]}.{cap[1]}",
+        "memory_gb": props.total_memory / 2**30,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "versions": versions,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--model", choices=("tiny", "small"), default="tiny")
+    ap.add_argument("--only", default="", help="comma-separated variants (default: all)")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per variant")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--child-result", help=argparse.SUPPRESS)
+    ap.add_argument("child_argv", nargs="*", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print(
+            "gpu_smoke: no CUDA device visible (torch "
+            f"{torch.__version__}, CUDA build {torch.version.cuda or 'none'}); this script only "
+            "runs on a GPU machine",
+            file=sys.stderr,
+        )
+        return 2
+    if args.child:
+        return run_child(args.child, args.child_argv, Path(args.child_result))
+
+    from ebpo_lite.device import native_bf16
+
+    dtype = "bfloat16" if native_bf16(torch.device("cuda", 0)) else "float16"
+    chosen = [v for v in VARIANTS if not args.only or v in args.only.split(",")]
+    facts = gpu_facts()
+    report = {
+        **facts,
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "dtype": dtype,
+        "model": args.model,
+        "steps": args.steps,
+        "variants": [],
+    }
+    failed = False
+    with tempfile.TemporaryDirectory(prefix="ebpo_gpu_smoke_") as tmp:
+        model = build_small_model(Path(tmp) / "small") if args.model == "small" else "tiny"
+        for v in chosen:
+            reason = missing_requirements(v)
+            if reason:
+                report["variants"].append({"variant": v, "status": "skipped", "reason": reason})
+                print(f"gpu_smoke: {v}: skipped ({reason})")
+                continue
+            entry = run_variant(v, Path(tmp), args, dtype, model)
+            failed |= entry["status"] == "failed"
+            report["variants"].append(entry)
+            print(f"gpu_smoke: {v}: {entry['status']} {summary(entry)}")
+    out = (
+        Path(args.out) / f"gpu_smoke_{re.sub(r'[^A-Za-z0-9]+', '_', facts['gpu']).strip('_')}.json"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"gpu_smoke: wrote {out}")
+    return 1 if failed else 0
+
+
+def run_variant(v: str, tmp: Path, args, dtype: str, model: str) -> dict:
+    """Train one variant in a child process; its JSON result, or the failure and its output."""
+    out_dir, result = tmp / v, tmp / f"{v}.json"
+    child_argv = [str(RECIPE), *variant_overrides(v, out_dir, args.steps, dtype, model)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        v,
+        "--child-result",
+        str(result),
+        "--",
+        *child_argv,
+    ]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=args.timeout, env=env, cwd=REPO
+        )
+        rc, log = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, log = -1, f"timed out after {args.timeout}s\n{e.stdout or ''}{e.stderr or ''}"
+    entry = json.loads(result.read_text()) if result.is_file() else {"variant": v}
+    entry["status"] = "ok" if rc == 0 and entry.get("rc") == 0 else "failed"
+    entry["process_wall_s"] = time.perf_counter() - t0
+    if entry["status"] == "failed":
+        entry["returncode"] = rc
+        entry["log_tail"] = log[-4000:] if isinstance(log, str) else str(log)[-4000:]
+    return entry
+
+
+def summary(e: dict) -> str:
+    if e["status"] != "ok":
+        return f"(rc {e.get('returncode')}): {e.get('log_tail', '')[-300:]}"
+    gap = e.get("logp_diff_max")
+    return (
+        f"{e['wall_s']:.1f}s, peak {e['peak_allocated_gb']:.2f} GiB allocated, "
+        f"logp gap {gap if gap is None else round(gap, 4)}"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

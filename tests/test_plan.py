@@ -1,0 +1,474 @@
+"""Memory planner: parameter counts, NF4 bytes, LoRA, activations, KV cache, the plan and its CLI.
+
+Expected numbers are worked out by hand in the comments (h hidden, I MLP size, L layers,
+q = heads * head_dim, kv = kv_heads * head_dim, V vocabulary) and checked against the published
+totals and against real components where they run on CPU (transformers on the meta device,
+bitsandbytes' NF4 quantiser, autograd's saved tensors for the tiny model).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ebpo_lite import config, plan
+from ebpo_lite.errors import UserError
+from ebpo_lite.memory import (
+    GIB,
+    LINEARS,
+    activation_bytes,
+    arch_for,
+    arch_from_config,
+    base_weight_bytes,
+    kv_bytes_per_token,
+    layer_bytes_per_token,
+    lora_param_count,
+    nf4_bytes,
+    param_counts,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+
+# ----------------------------------------------------------------------------- parameter counts
+# Qwen3 layer: q_proj h*q + k_proj h*kv + v_proj h*kv + o_proj q*h + 3*h*I (gate, up, down)
+#   + norms 2h + q_norm/k_norm 2*128; model: L * layer + V*h (embed) [+ V*h lm_head] + h.
+# Qwen3-0.6B: h 1024, I 3072, q 2048, kv 1024, L 28, tied
+#   layer = 4,194,304 + 2,097,152 + 9,437,184 + 2,048 + 256 = 15,730,944; * 28 = 440,466,432
+#   + 151,936 * 1,024 = 155,582,464 + 1,024                       -> 596,049,920
+# Qwen3-1.7B: h 2048, I 6144, q 2048, kv 1024, L 28, tied
+#   layer = 8,388,608 + 4,194,304 + 37,748,736 + 4,096 + 256 = 50,336,000; * 28 = 1,409,408,000
+#   + 151,936 * 2,048 = 311,164,928 + 2,048                      -> 1,720,574,976
+# Qwen3-4B: h 2560, I 9728, q 4096, kv 1024, L 36, tied
+#   layer = 20,971,520 + 5,242,880 + 74,711,040 + 5,120 + 256 = 100,930,816; * 36 = 3,633,509,376
+#   + 151,936 * 2,560 = 388,956,160 + 2,560                      -> 4,022,468,096
+# Qwen3-8B: h 4096, I 12288, q 4096, kv 1024, L 36, untied
+#   layer = 33,554,432 + 8,388,608 + 150,994,944 + 8,192 + 256 = 192,946,432; * 36 = 6,946,071,552
+#   + 2 * 151,936 * 4,096 = 1,244,659,712 + 4,096                -> 8,190,735,360
+# Qwen3-14B: h 5120, I 17408, q 5120, kv 1024, L 40, untied
+#   layer = 52,428,800 + 10,485,760 + 267,386,880 + 10,240 + 256 = 330,311,936; * 40
+#   = 13,212,477,440 + 2 * 151,936 * 5,120 = 1,555,824,640 + 5,120 -> 14,768,307,200
+# Llama-3.1-8B: h 4096, I 14336, q 4096, kv 1024, L 32, untied, no q/k norm, V 128,256
+#   layer = 33,554,432 + 8,388,608 + 176,160,768 + 8,192 = 218,112,000; * 32 = 6,979,584,000
+#   + 2 * 128,256 * 4,096 = 1,050,673,152 + 4,096                -> 8,030,261,248
+EXPECTED_PARAMS = {
+    "Qwen/Qwen3-0.6B": (596_049_920, 0.6),
+    "Qwen/Qwen3-1.7B": (1_720_574_976, 1.7),
+    "Qwen/Qwen3-4B": (4_022_468_096, 4.0),
+    "Qwen/Qwen3-8B": (8_190_735_360, 8.19),
+    "Qwen/Qwen3-14B": (14_768_307_200, 14.8),
+    "meta-llama/Llama-3.1-8B": (8_030_261_248, 8.03),
+    "meta-llama/Llama-3.1-8B-Instruct": (8_030_261_248, 8.03),
+}
+# published non-embedding counts (Qwen3 model cards): 0.44B, 1.4B, 3.6B, 6.95B, 13.2B
+NON_EMBEDDING = {
+    "Qwen/Qwen3-0.6B": 0.44,
+    "Qwen/Qwen3-1.7B": 1.4,
+    "Qwen/Qwen3-4B": 3.6,
+    "Qwen/Qwen3-8B": 6.95,
+    "Qwen/Qwen3-14B": 13.2,
+}
+
+
+@pytest.mark.parametrize("name", list(EXPECTED_PARAMS))
+def test_param_counts_match_hand_arithmetic_and_published_totals(name):
+    exact, published_b = EXPECTED_PARAMS[name]
+    counts = param_counts(arch_for(name))
+    assert counts["total"] == exact
+    assert abs(counts["total"] / 1e9 - published_b) < 0.05
+    if name in NON_EMBEDDING:
+        non_emb = counts["total"] - counts["embed"] - counts["lm_head"]
+        assert abs(non_emb / 1e9 - NON_EMBEDDING[name]) < 0.05
+
+
+def test_param_counts_equal_transformers_models_on_the_meta_device():
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    from ebpo_lite.memory import load_specs
+
+    specs = load_specs()
+    keys = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "tie_word_embeddings",
+        "max_position_embeddings",
+    )
+    for name, spec in specs.items():
+        kw = {k: spec[k] for k in keys}
+        cls, cfg_cls = (
+            (Qwen3ForCausalLM, Qwen3Config)
+            if spec["model_type"] == "qwen3"
+            else (LlamaForCausalLM, LlamaConfig)
+        )
+        with torch.device("meta"):
+            model = cls(cfg_cls(**kw))
+        assert sum(p.numel() for p in model.parameters()) == param_counts(arch_for(name))["total"]
+
+
+def test_model_lookup_by_short_name_and_unknown_name():
+    assert arch_for("qwen3-8b").name == "Qwen/Qwen3-8B"
+    with pytest.raises(UserError, match=r"^model.name: no architecture numbers for 'org/Nope'"):
+        arch_for("org/Nope")
+
+
+def test_tiny_arch_matches_the_built_in_model():
+    from ebpo_lite.tiny import build_tiny_model
+
+    model = build_tiny_model(0)
+    assert param_counts(arch_for("tiny"))["total"] == sum(p.numel() for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------- NF4 and LoRA
+
+
+def test_nf4_bytes_equal_what_bitsandbytes_stores():
+    F = pytest.importorskip("bitsandbytes.functional")
+    n = 64 * 3079  # 3079 blocks of 64: not a multiple of the 256-block second level
+    w = torch.randn(n // 64, 64, dtype=torch.bfloat16)
+    packed, st = F.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+    parts = [packed, st.absmax, st.state2.absmax, st.state2.code, st.code, st.offset]
+    stored = sum(t.numel() * t.element_size() for t in parts)
+    # by hand: n/2 = 98,528 packed + 3,079 uint8 absmax + ceil(3079/256) = 13 fp32 = 52
+    #   + code books 16*4 + 256*4 + offset 4 = 1,092          -> 102,751
+    assert nf4_bytes(n) == stored == 102_751
+
+
+def test_qwen3_8b_nf4_policy_weights_by_hand():
+    # per layer, nf4_bytes(n) = n/2 + n/64 + 4*ceil(n/64/256) + 1,092:
+    #   q, o (16,777,216): 8,388,608 + 262,144 + 4,096 + 1,092 = 8,655,940 each
+    #   k, v (4,194,304):  2,097,152 + 65,536 + 1,024 + 1,092 = 2,164,804 each
+    #   gate, up, down (50,331,648): 25,165,824 + 786,432 + 12,288 + 1,092 = 25,965,636 each
+    #   layer = 99,538,396; * 36 = 3,583,382,256
+    # 16-bit rest: (2 * 622,329,856 embed/head + 36 * 8,448 + 4,096 norms) * 2 = 2,489,935,872
+    arch = arch_for("Qwen/Qwen3-8B")
+    assert base_weight_bytes(arch, True, 2) == 3_583_382_256 + 2_489_935_872
+    assert base_weight_bytes(arch, False, 2) == 2 * 8_190_735_360
+
+
+def test_lora_counts_by_hand_and_against_peft():
+    # Qwen3-8B, r 32, all-linear: r * (in + out) per module =
+    #   32 * (8192 + 5120 + 5120 + 8192 + 16384 + 16384 + 16384) = 2,424,832; * 36 = 87,293,952
+    assert lora_param_count(arch_for("Qwen/Qwen3-8B"), 32, LINEARS) == 87_293_952
+    # tiny (h 256, I 512, q 256, kv 128, L 2), r 16: 16 * 4096 * 2 = 131,072; peft agrees
+    from peft import LoraConfig, get_peft_model
+
+    from ebpo_lite.tiny import build_tiny_model
+
+    model = get_peft_model(build_tiny_model(0), LoraConfig(r=16, target_modules="all-linear"))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert lora_param_count(arch_for("tiny"), 16, LINEARS) == trainable == 131_072
+
+
+def test_kv_cache_bytes_per_token():
+    # 2 (K and V) * layers * kv_heads * head_dim * 2 bytes
+    assert kv_bytes_per_token(arch_for("Qwen/Qwen3-8B"), 2) == 2 * 36 * 8 * 128 * 2 == 147_456
+    assert kv_bytes_per_token(arch_for("meta-llama/Llama-3.1-8B"), 2) == 131_072
+    assert kv_bytes_per_token(arch_for("Qwen/Qwen3-0.6B"), 2) == 2 * 28 * 8 * 128 * 2
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+def test_layer_bytes_per_token_qwen3_8b_by_hand():
+    # a = 2, r = 32, all seven modules adapted, no autocast:
+    #   norms 2 * (4*4096 + 4) = 32,776; q/k-norm 4 * (4096 + 1024) + 4 * (32 + 8) = 20,640
+    #   Q, K, V 3 * 2 * 4096 = 24,576; output 2 * 4096 + lse 4 * 32 = 8,320; SwiGLU 3*2*12288 = 73,728
+    #   LoRA fp32 input copies 4 * (6 * 4096 + 12288) = 147,456 + A.x 7 * 4 * 32 = 896
+    expected = 32_776 + 20_640 + 24_576 + 8_320 + 73_728 + 147_456 + 896
+    arch = arch_for("Qwen/Qwen3-8B")
+    assert layer_bytes_per_token(arch, 2, 32, LINEARS) == expected == 308_392
+    # checkpointed, one sequence of 768 tokens: layer inputs 36 * 768 * 2 * 4096 = 226,492,416
+    #   + one recomputed layer 768 * 308,392 = 236,845,056 + final norm 768 * 16,388 = 12,585,984
+    assert activation_bytes(arch, 2, 32, LINEARS, 1, 768, True, "sdpa") == 475_923_456
+    # eager adds (4 + 2) * 32 heads * 768^2 per sequence and layer
+    no_ckpt = activation_bytes(arch, 2, 32, LINEARS, 1, 768, False, "sdpa")
+    assert no_ckpt == 36 * 236_845_056 + 12_585_984
+    eager = activation_bytes(arch, 2, 32, LINEARS, 1, 768, False, "eager")
+    assert eager - no_ckpt == 36 * 6 * 32 * 768**2
+
+
+def _saved_bytes(dtype: torch.dtype, attn: str, checkpointing: bool) -> int:
+    """Bytes autograd saves in one forward of the tiny model + LoRA (unique storages)."""
+    from peft import LoraConfig, get_peft_model
+
+    from ebpo_lite.tiny import build_tiny_model
+
+    model = build_tiny_model(0).to(dtype)
+    model.config._attn_implementation = attn
+    model = get_peft_model(model, LoraConfig(r=16, target_modules="all-linear"))
+    model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    ids = torch.randint(4, 100, (4, 96))  # [4, 96]
+    mask = torch.ones(4, 96, dtype=torch.long)  # [4, 96]
+    mask[0, :10] = 0  # left padding
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, attention_mask=mask, logits_to_keep=1, use_cache=False)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("dtype,attn", [(torch.bfloat16, "sdpa"), (torch.float32, "eager")])
+def test_activation_formula_against_autograd_saved_tensors(dtype, attn):
+    a = 4 if dtype == torch.float32 else 2
+    predicted = activation_bytes(arch_for("tiny"), a, 16, LINEARS, 4, 96, False, attn)
+    measured = _saved_bytes(dtype, attn, False)
+    assert 1.0 <= predicted / measured <= 1.10  # never below; layer 0's norm and masks above
+
+
+def test_checkpointed_forward_keeps_layer_inputs_only():
+    arch = arch_for("tiny")
+    one_layer = 4 * 96 * layer_bytes_per_token(arch, 2, 16, LINEARS)
+    forward = activation_bytes(arch, 2, 16, LINEARS, 4, 96, True, "sdpa") - one_layer
+    # 2 layers * 384 tokens * 2 bytes * 256 + final norm 384 * (4 * 256 + 4)
+    assert forward == 393_216 + 394_752
+    assert forward == pytest.approx(_saved_bytes(torch.bfloat16, "sdpa", True), rel=0.01)
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def _load(name: str, *overrides: str) -> config.Config:
+    return config.load(REPO / "recipes" / f"{name}.yaml", list(overrides))
+
+
+def test_plan_components_for_the_flagship_recipe():
+    p = plan.plan(_load("qwen3_8b_lora"), 24.0, "RTX 4090")
+    assert p["policy_weights_gb"] == pytest.approx((3_583_382_256 + 2_489_935_872) / GIB)
+    assert p["lora_params_gb"] == pytest.approx(87_293_952 * 4 / GIB)
+    assert p["lora_grads_gb"] == p["lora_params_gb"]
+    assert p["optimizer_gb"] == pytest.approx(2 * p["lora_params_gb"])
+    # vLLM KV cache: 16 prompts * 8 = 128 sequences * (256 + 512) tokens * 147,456 B = 13.5 GiB
+    assert p["vllm_kv_cache_gb"] == pytest.approx(13.5)
+    assert p["vllm_weights_gb"] == pytest.approx(p["policy_weights_gb"])  # NF4 in vLLM too
+    # logits: 4 sequences * 513 kept positions * 151,936 * 12 bytes
+    assert p["logits_gb"] == pytest.approx(4 * 513 * 151_936 * 12 / GIB)
+    assert p["activations_gb"] == p["activations_checkpointing_gb"]
+    assert p["activations_no_checkpointing_gb"] > 10 * p["activations_checkpointing_gb"]
+    # generation phase: one CUDA context (in-process vLLM) + 1.1 * static + vLLM, all at once
+    static = p["trainer_static_gb"]
+    assert p["generation_phase_gb"] == pytest.approx(0.5 + 1.1 * static + p["vllm_need_gb"])
+    # training phase: vLLM asleep (0.5 GiB kept)
+    dyn = p["activations_gb"] + p["logits_gb"]
+    assert p["training_phase_gb"] == pytest.approx(0.5 + 1.1 * (static + dyn) + 0.5)
+    assert p["fits"] and p["advice"] == []
+    assert p["total_gb"] == pytest.approx(max(p["generation_phase_gb"], p["training_phase_gb"]))
+    # with the recipe's 0.55: 13.2 GiB reserved, (13.2 - 6.8 fixed) / 0.105 per sequence = 60
+    assert p["vllm_concurrent_sequences"] == 60
+
+
+def test_recommendations_are_the_largest_that_fit():
+    cfg = _load("qwen3_8b_lora")
+    p = plan.plan(cfg, 24.0)
+    mb = p["recommended_micro_batch_size"]
+    assert mb & (mb - 1) == 0 and mb >= 1  # a power of two
+    bigger = plan.plan(
+        config.load(REPO / "recipes/qwen3_8b_lora.yaml", [f"train.micro_batch_size={2 * mb}"]), 24.0
+    )
+    same = plan.plan(
+        config.load(REPO / "recipes/qwen3_8b_lora.yaml", [f"train.micro_batch_size={mb}"]), 24.0
+    )
+    assert same["training_phase_gb"] <= 24.0 < bigger["training_phase_gb"]
+    util = p["recommended_gpu_memory_utilization"]
+    with_util = plan.plan(
+        config.load(
+            REPO / "recipes/qwen3_8b_lora.yaml", [f"rollout.gpu_memory_utilization={util}"]
+        ),
+        24.0,
+    )
+    assert with_util["fits"]
+    assert util * 24.0 <= p["vllm_need_gb"] * 1.05 + 0.01
+
+
+@pytest.mark.parametrize(
+    "overrides,gpu,advice",
+    [
+        (
+            ["model.name=Qwen/Qwen3-14B", "model.load_in_4bit=false"],
+            24.0,
+            "set model.load_in_4bit=true",
+        ),
+        (["train.micro_batch_size=64"], 24.0, "lower train.micro_batch_size to 8"),
+        (["model.gradient_checkpointing=false"], 24.0, "enable model.gradient_checkpointing"),
+        (["rollout.gpu_memory_utilization=0.9"], 24.0, "set rollout.gpu_memory_utilization=0.6"),
+        ([], 15.0, "vLLM cannot fit next to the trainer"),
+    ],
+)
+def test_plans_that_do_not_fit_say_what_to_change(overrides, gpu, advice):
+    p = plan.plan(_load("qwen3_8b_lora", *overrides), gpu)
+    assert not p["fits"]
+    assert any(advice in a for a in p["advice"]), p["advice"]
+
+
+def test_two_gpu_layout_checks_each_device():
+    p = plan.plan(_load("qwen3_8b_two_gpu"), 24.0)
+    assert set(p["per_device_gb"]) == {"cuda:0", "cuda:1"} and not p["colocated"]
+    assert p["per_device_gb"]["cuda:1"] == pytest.approx(0.5 + 0.9 * 24.0)  # context + vLLM
+    assert p["vllm_concurrent_sequences"] == p["sequences_per_step"] == 128
+    assert p["fits"]
+
+
+def _recipe_gpu(path: Path) -> str:
+    m = re.search(r"python -m ebpo_lite\.plan recipes/\S+ --gpu (\S+?)\)?:", path.read_text())
+    return m.group(1) if m else "24"
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
+def test_every_recipe_loads_plans_and_fits_the_gpu_it_names(path):
+    cfg = config.load(path)
+    name, gib = plan.parse_gpu(_recipe_gpu(path))
+    p = plan.plan(cfg, gib, name)
+    assert p["fits"], (path.name, p["advice"])
+    text = path.read_text()
+    assert f"python -m ebpo_lite.train recipes/{path.name}" in text  # the exact command
+    if path.stem != "tiny_cpu":
+        assert "# GPU:" in text and "# Memory (python -m ebpo_lite.plan" in text
+
+
+def test_local_folder_config_json(tmp_path):
+    spec = {
+        "model_type": "qwen3",
+        "vocab_size": 151936,
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "tie_word_embeddings": True,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(spec))
+    assert param_counts(arch_for(str(tmp_path)))["total"] == 596_049_920
+    del spec["hidden_size"]
+    (tmp_path / "config.json").write_text(json.dumps(spec))
+    with pytest.raises(UserError, match=r"config.json: hidden_size missing"):
+        arch_for(str(tmp_path))
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(UserError, match="folder without config.json"):
+        arch_for(str(tmp_path))
+    # head_dim absent: hidden / heads (Llama 3.1 has no head_dim field)
+    llama = arch_from_config(
+        {
+            "vocab_size": 8,
+            "hidden_size": 64,
+            "intermediate_size": 8,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+        },
+        "x",
+        "x",
+    )
+    assert llama.head_dim == 16 and llama.num_key_value_heads == 4
+
+
+def test_parse_gpu():
+    assert plan.parse_gpu("T4") == ("Tesla T4 16GB", 15.0)
+    assert plan.parse_gpu("a100-80gb")[1] == 80.0 and plan.parse_gpu("RTX4090")[1] == 24.0
+    assert plan.parse_gpu("12.5") == ("12.5 GiB", 12.5)
+    with pytest.raises(UserError, match="^--gpu: unknown GPU 'V100'"):
+        plan.parse_gpu("V100")
+
+
+# ----------------------------------------------------------------------------- CLI, preflight
+
+
+def test_cli_json_writes_every_component(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    rc = plan.main([str(REPO / "recipes/qwen3_8b_lora.yaml"), "--gpu", "L4", "--json", str(out)])
+    assert rc == 0
+    p = json.loads(out.read_text())
+    for key in (
+        "policy_weights_gb",
+        "total_gb",
+        "lora_params_gb",
+        "lora_grads_gb",
+        "optimizer_gb",
+        "activations_gb",
+        "activations_no_checkpointing_gb",
+        "logits_gb",
+        "vllm_weights_gb",
+        "vllm_kv_cache_gb",
+        "cuda_context_gb",
+        "fragmentation_gb",
+        "recommended_gpu_memory_utilization",
+        "recommended_micro_batch_size",
+        "fits",
+    ):
+        assert key in p
+    assert p["gpu_name"] == "NVIDIA L4 24GB" and p["fits"] is True
+    table = capsys.readouterr().out
+    assert "policy weights" in table and "fits" in table
+
+
+def test_cli_exit_1_when_it_does_not_fit(capsys):
+    rc = plan.main([str(REPO / "recipes/qwen3_8b_lora.yaml"), "--gpu", "T4"])
+    assert rc == 1 and "DOES NOT FIT" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["recipes/nope.yaml"], "recipes/nope.yaml: recipe file not found"),
+        (["recipes/qwen3_8b_lora.yaml", "train.bogus=1"], "train.bogus: unknown key"),
+        (["recipes/qwen3_8b_lora.yaml", "--gpu", "V100"], "--gpu: unknown GPU"),
+        (["recipes/qwen3_8b_lora.yaml", "model.name=org/unknown"], "model.name: no architecture"),
+        ([], "plan: the following arguments are required: recipe"),
+    ],
+)
+def test_cli_user_errors_are_one_line_exit_2(args, message, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert plan.main(args) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines
+
+
+def test_cli_as_a_module_process():
+    """The real `python -m ebpo_lite.plan`: a user error is one line on stderr, exit status 2."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "ebpo_lite.plan", "recipes/qwen3_8b_lora.yaml", "model.lora_rank=x"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: model.lora_rank: expected an integer, got 'x'"
+    ]
+
+
+def test_preflight_is_a_no_op_on_cpu():
+    plan.preflight(_load("qwen3_8b_lora", "model.device=cpu"))
+    plan.preflight(_load("tiny_cpu"))  # auto -> cpu here
+
+
+def test_preflight_refuses_a_plan_that_cannot_fit(monkeypatch):
+    import ebpo_lite.device as device
+
+    # the GPU decision logic only: pretend a 16 GB T4 is visible
+    monkeypatch.setattr(device, "resolve_device", lambda name, key="": torch.device("cuda", 0))
+    monkeypatch.setattr(device, "cuda_memory_gib", lambda d: (14.5, 15.0, 0.0))
+    monkeypatch.setattr(device, "cuda_name", lambda d: "Tesla T4")
+    with pytest.raises(UserError, match=r"^preflight: Qwen/Qwen3-8B needs cuda:0 .* 15.0 GiB"):
+        plan.preflight(_load("qwen3_8b_lora"))
+    plan.preflight(_load("qwen3_4b_t4"))  # the T4 recipe passes
