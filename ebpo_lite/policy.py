@@ -143,6 +143,7 @@ class Policy:
             tokenizer.pad_token = tokenizer.eos_token
         if not m.load_in_4bit:
             model.to(device)
+        torch.manual_seed(cfg.train.seed)  # LoRA A's init: the same whatever ran before
         model = _add_lora(model, m)
         if m.gradient_checkpointing:
             model.gradient_checkpointing_enable(

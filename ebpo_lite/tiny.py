@@ -80,6 +80,11 @@ def warm_tiny_model(steps: int, seed: int, data_seed: int, log=print) -> Path:
     out = cache_root() / f"tiny-{digest}"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
+    with torch.random.fork_rng(devices=[]):  # a cache miss must not change the caller's RNG
+        return _warm_and_save(out, steps, seed, data_seed, log)
+
+
+def _warm_and_save(out: Path, steps: int, seed: int, data_seed: int, log) -> Path:
     from ebpo_lite.data import arithmetic_examples
 
     tokenizer = build_tokenizer()

@@ -199,3 +199,19 @@ def test_notebook_runs(tmp_path):
         for k in ("EBPO_NOTEBOOK_STEPS", "EBPO_NOTEBOOK_OUT"):
             os.environ.pop(k, None)
     assert (tmp_path / "nb" / "curves.png").is_file()
+
+
+def test_micro_batching_equals_one_batch(tmp_path):
+    """Gradient accumulation over micro-batches gives the same update as one full batch."""
+    outs = {}
+    for mb in (5, 64):
+        out = tmp_path / f"mb{mb}"
+        train(_cfg(out, **{"train.steps": 1, "train.micro_batch_size": mb}))
+        outs[mb] = (
+            _adapter(out, 1),
+            [r for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r][0],
+        )
+    (wa, ra), (wb, rb) = outs[5], outs[64]
+    for k in wa:
+        assert torch.allclose(wa[k], wb[k], atol=1e-6, rtol=1e-4), k
+    assert abs(ra["train/loss"] - rb["train/loss"]) < 1e-5

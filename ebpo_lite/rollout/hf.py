@@ -2,8 +2,9 @@
 
 The sampler is the policy itself, so `sync` has nothing to do. Sampling is seeded per call inside
 a forked RNG, so the trainer's global RNG stream (and hence exact resume) does not depend on it.
-Returned log-probs are the raw model's (temperature 1, before top-p / top-k), like vLLM's default
-`logprobs_mode`, so the mismatch metrics compare like with like.
+No sampler log-probs are returned (`sampler_logprobs=None`): this sampler is the trainer's own
+model, so there is no mismatch to measure or correct, and keeping every step's logits would cost
+[B*G, T, vocab] floats (about 40 GB for Qwen3-8B at 128 x 512 tokens).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class HFRollout:
         max_new_tokens: int | None = None,
     ) -> Rollout:
         out = Rollout(
-            prompt_ids=list(prompt_ids), completion_ids=[], sampler_logprobs=[], finished=[]
+            prompt_ids=list(prompt_ids), completion_ids=[], sampler_logprobs=None, finished=[]
         )
         for s in range(0, len(prompt_ids), self.micro_batch):
             part = self._generate(
@@ -45,7 +46,6 @@ class HFRollout:
                 max_new_tokens,
             )
             out.completion_ids += part.completion_ids
-            out.sampler_logprobs += part.sampler_logprobs
             out.finished += part.finished
         return out
 
@@ -67,7 +67,6 @@ class HFRollout:
             eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id,
             return_dict_in_generate=True,
-            output_logits=True,
         )
         if greedy:
             kwargs.update(do_sample=False)
@@ -89,16 +88,12 @@ class HFRollout:
             )
         policy.model.train(was_training)
         new = gen.sequences[:, width:].cpu()  # [B*G, T]
-        logits = torch.stack(gen.logits, dim=1).float()  # [B*G, T, V] raw
-        logp = torch.log_softmax(logits, -1).gather(-1, new.unsqueeze(-1)).squeeze(-1).cpu()
-        completions, logprobs, finished = [], [], []
-        for row, lp in zip(new.tolist(), logp.tolist()):
-            n = row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else len(row)
-            completions.append(row[:n])
-            logprobs.append(lp[:n])
-            finished.append(tok.eos_token_id in row)
-        prompts = [p for p in prompt_ids]
-        return Rollout(prompts, completions, logprobs, finished)
+        completions, finished = [], []
+        for row in new.tolist():
+            done = tok.eos_token_id in row
+            completions.append(row[: row.index(tok.eos_token_id) + 1] if done else row)
+            finished.append(done)
+        return Rollout(list(prompt_ids), completions, None, finished)
 
     def sync(self, policy: Policy, version: int) -> None:
         """Nothing to push: this sampler is the trainer's model."""
