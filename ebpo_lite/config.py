@@ -137,6 +137,7 @@ class TrainConfig:
     schedule: str = "constant"  # constant | cosine
     warmup_steps: int = 0
     prompts_per_step: int = 32
+    mini_batches: int = 1  # optimizer steps per rollout batch (the paper: 512 / 128 = 4)
     micro_batch_size: int = 64  # sequences per forward/backward; accumulation over the rest
     checkpoint_every: int = 50  # 0: only at the end
     keep_checkpoints: int = 2
@@ -396,6 +397,7 @@ def validate(cfg: Config) -> None:
     _one_of(t.schedule, ("constant", "cosine"), "train.schedule")
     _check(t.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
     _check(t.prompts_per_step >= 1, "train.prompts_per_step", "must be >= 1")
+    _check(t.mini_batches >= 1, "train.mini_batches", "must be >= 1")
     _check(t.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")
     _check(t.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0")
     _check(t.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1")

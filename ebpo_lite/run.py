@@ -7,6 +7,7 @@ save); the order of the phases lives in `train.train_step` only.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -125,73 +126,91 @@ class Run:
     def optimize(
         self, prompts: list[list[int]], roll: Rollout, adv: torch.Tensor, valid: torch.Tensor
     ) -> dict[str, float]:
-        """`num_iterations` passes of micro-batched gradient accumulation, one optimizer step each.
+        """`num_iterations` passes over the rollout, each split into `train.mini_batches`
+        optimizer steps; each step accumulates gradients over micro-batches.
 
-        Micro-batch losses are weighted by their share of the batch's normaliser (tokens for
-        `token_mean`, sequences otherwise), so accumulation equals one full-batch loss.
+        Micro-batch losses are weighted by their share of the mini-batch's normaliser (tokens for
+        `token_mean`, sequences otherwise), so accumulation equals one mini-batch loss. Once the
+        policy has moved within a step (several mini-batches or iterations), the PPO ratio is
+        taken against log-probs computed once before the first update.
         """
         cfg, a = self.cfg, self.cfg.algo
-        policy, n = self.policy, len(roll.completion_ids)
-        rows = [i for i in range(n) if valid[i]]
-        mb = cfg.train.micro_batch_size
-        chunks = [rows[s : s + mb] for s in range(0, len(rows), mb)]
-        total_tokens = sum(len(roll.completion_ids[i]) for i in rows) or 1
-        need_old = a.num_iterations > 1
-        old = {}
-        if need_old or a.kl_coef > 0:
-            with torch.no_grad():
-                for c in chunks:
-                    b = policy.batch([prompts[i] for i in c], [roll.completion_ids[i] for i in c])
-                    if need_old:
-                        old[("old", c[0])] = completion_logprobs(policy.model, b)[0]
-                    if a.kl_coef > 0:
-                        with policy.ref_context():
-                            old[("ref", c[0])] = completion_logprobs(policy.model, b)[0]
-        stats_sum: dict[str, float] = {}
-        params = policy.trainable_parameters()
-        policy.model.train()
-        grad_norm = 0.0
+        rows = [i for i in range(len(roll.completion_ids)) if valid[i]]
+        n_mini = min(cfg.train.mini_batches, max(len(rows), 1))
+        minis = [
+            rows[k * len(rows) // n_mini : (k + 1) * len(rows) // n_mini] for k in range(n_mini)
+        ]
+        need_old = a.num_iterations > 1 or n_mini > 1
+        old = self._fixed_logprobs(prompts, roll, rows, need_old, a.kl_coef > 0)
+        stats: dict[str, float] = {}
+        norms = []
+        self.policy.model.train()
+        n_updates = a.num_iterations * len(minis)
         for _ in range(a.num_iterations):
-            self.optimizer.zero_grad(set_to_none=True)
-            for c in chunks:
-                b = policy.batch([prompts[i] for i in c], [roll.completion_ids[i] for i in c])
-                logp, entropy = completion_logprobs(policy.model, b, with_entropy=True)  # [n, C]
-                width = logp.shape[1]
-                slp = None  # the sampler's log-probs: mismatch metrics always, correction if asked
-                if roll.sampler_logprobs is not None:
-                    slp = _pad([roll.sampler_logprobs[i] for i in c], width).to(logp.device)
-                lval, st = loss.policy_loss(
-                    logp,
-                    old.get(("old", c[0]), logp.detach()),
-                    adv[c].to(logp.device),
-                    b.completion_mask,
-                    clip_eps_low=a.clip_eps_low,
-                    clip_eps_high=a.clip_eps_high,
-                    agg=a.loss_agg,
-                    ref_logp=old.get(("ref", c[0])),
-                    kl_coef=a.kl_coef,
-                    sampler_logp=slp,
-                    is_mode=a.is_correction if slp is not None else "none",
-                    is_cap=a.is_cap,
-                    max_tokens=cfg.rollout.max_new_tokens,
-                )
-                share = loss.microbatch_weight(
-                    a.loss_agg, b.completion_mask, total_tokens, len(rows)
-                )
-                (lval * share).backward()
-                st["entropy"] = (entropy * b.completion_mask).sum().item() / max(
-                    b.completion_mask.sum().item(), 1
-                )
-                _accumulate(stats_sum, st, share / a.num_iterations)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm).item()
-            self.optimizer.step()
+            for mini in minis:
+                norms.append(self._update(prompts, roll, adv, mini, old, stats, 1 / n_updates))
         self.scheduler.step()
-        out = {f"train/{k}": v for k, v in stats_sum.items() if not k.startswith(("is_", "logp_"))}
-        out.update(
-            {f"rollout/{k}": v for k, v in stats_sum.items() if k.startswith(("is_", "logp_"))}
-        )
-        out["train/grad_norm"] = grad_norm
+        out = {f"train/{k}": v for k, v in stats.items() if not k.startswith(("is_", "logp_"))}
+        out.update({f"rollout/{k}": v for k, v in stats.items() if k.startswith(("is_", "logp_"))})
+        out["train/grad_norm"] = sum(norms) / max(len(norms), 1)
         return out
+
+    def _chunks(self, rows: list[int]) -> list[list[int]]:
+        mb = self.cfg.train.micro_batch_size
+        return [rows[s : s + mb] for s in range(0, len(rows), mb)]
+
+    @torch.no_grad()
+    def _fixed_logprobs(self, prompts, roll: Rollout, rows, old: bool, ref: bool) -> dict:
+        """Per-row log-probs fixed for the whole step: `("old", i)` and `("ref", i)` (adapter off)."""
+        policy, out = self.policy, {}
+        for c in self._chunks(rows) if (old or ref) else []:
+            b = policy.batch([prompts[i] for i in c], [roll.completion_ids[i] for i in c])
+            for kind, on in (("old", old), ("ref", ref)):
+                if not on:
+                    continue
+                with policy.ref_context() if kind == "ref" else contextlib.nullcontext():
+                    logp = completion_logprobs(policy.model, b)[0]  # [n, C]
+                for j, i in enumerate(c):
+                    out[(kind, i)] = logp[j]
+        return out
+
+    def _update(self, prompts, roll, adv, mini, fixed, stats, weight) -> float:
+        """One optimizer step on the rows `mini`; returns the gradient norm before clipping."""
+        cfg, a, policy = self.cfg, self.cfg.algo, self.policy
+        mini_tokens = sum(len(roll.completion_ids[i]) for i in mini) or 1
+        self.optimizer.zero_grad(set_to_none=True)
+        for c in self._chunks(mini):
+            b = policy.batch([prompts[i] for i in c], [roll.completion_ids[i] for i in c])
+            logp, entropy = completion_logprobs(policy.model, b, with_entropy=True)  # [n, C]
+            width = logp.shape[1]
+            old = _stack([fixed[("old", i)] for i in c], width) if ("old", c[0]) in fixed else None
+            ref = _stack([fixed[("ref", i)] for i in c], width) if ("ref", c[0]) in fixed else None
+            slp = None  # the sampler's log-probs: mismatch metrics always, correction if asked
+            if roll.sampler_logprobs is not None:
+                slp = _pad([roll.sampler_logprobs[i] for i in c], width).to(logp.device)
+            lval, st = loss.policy_loss(
+                logp,
+                logp.detach() if old is None else old,
+                adv[c].to(logp.device),
+                b.completion_mask,
+                clip_eps_low=a.clip_eps_low,
+                clip_eps_high=a.clip_eps_high,
+                agg=a.loss_agg,
+                ref_logp=ref,
+                kl_coef=a.kl_coef,
+                sampler_logp=slp,
+                is_mode=a.is_correction if slp is not None else "none",
+                is_cap=a.is_cap,
+                max_tokens=cfg.rollout.max_new_tokens,
+            )
+            share = loss.microbatch_weight(a.loss_agg, b.completion_mask, mini_tokens, len(mini))
+            (lval * share).backward()
+            st["entropy"] = loss.masked_mean(entropy, b.completion_mask).item()
+            _accumulate(stats, st, share * weight)
+        params = policy.trainable_parameters()
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm).item()
+        self.optimizer.step()
+        return norm
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, step: int) -> Path:
@@ -348,6 +367,14 @@ def _accumulate(total: dict[str, float], stats: dict[str, float], weight: float)
             total[k] = min(total.get(k, math.inf), v)
         else:
             total[k] = total.get(k, 0.0) + v * weight
+
+
+def _stack(rows: list[torch.Tensor], width: int) -> torch.Tensor:
+    """Right-pad 1-D tensors of varying length to `[len(rows), width]`."""
+    out = rows[0].new_zeros((len(rows), width))
+    for i, r in enumerate(rows):
+        out[i, : min(len(r), width)] = r[:width]
+    return out
 
 
 def _pad(rows: list[list[float]], width: int) -> torch.Tensor:

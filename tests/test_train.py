@@ -109,6 +109,7 @@ def test_resume_is_exact(tmp_path):
         {"algo.prior_key": "topic", "algo.min_count": 2, "curriculum.sampler": "topic"},
         {"curriculum.sampler": "difficulty", "algo.tau2": "moments", "algo.center": "false"},
         {"curriculum.dynamic_sampling": "true", "algo.kl_coef": 0.01, "algo.num_iterations": 2},
+        {"train.mini_batches": 2, "algo.clip_eps_high": 0.28, "train.schedule": "cosine"},
     ],
 )
 def test_variants_run(tmp_path, extra):
@@ -118,6 +119,9 @@ def test_variants_run(tmp_path, extra):
     assert len(steps) == 2 and all(r["train/grad_norm"] >= 0 for r in steps)
     if extra.get("algo.kl_coef"):
         assert steps[-1]["train/kl"] > 0  # the adapter moved away from the reference
+    if extra.get("train.mini_batches") or extra.get("algo.num_iterations"):
+        # after the first update the policy has moved: PPO ratios are no longer all 1
+        assert any(abs(r["train/ratio_mean"] - 1) > 1e-7 for r in steps)
     if extra.get("curriculum.dynamic_sampling"):
         assert all("train/extra_draws" in r for r in steps)
 
