@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ebpo_lite import cli
 from ebpo_lite.errors import UserError
 
 
@@ -142,15 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=32, help="prompts per generate call")
     p.add_argument("--backend", default="auto", choices=("auto", "hf", "vllm"))
     args = p.parse_intermixed_args(argv)
-    from ebpo_lite.train import _quiet_libraries
-
-    _quiet_libraries()
-    try:
-        label(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return cli.run(label, args)
 
 
 if __name__ == "__main__":

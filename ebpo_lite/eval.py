@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ebpo_lite import cli
 from ebpo_lite.errors import UserError
 
 if TYPE_CHECKING:
@@ -599,15 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=16, help="problems per generate call")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_intermixed_args(argv)
-    from ebpo_lite.train import _quiet_libraries
-
-    _quiet_libraries()
-    try:
-        evaluate(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return cli.run(evaluate, args)
 
 
 if __name__ == "__main__":

@@ -119,12 +119,15 @@ def supervised_warmup(
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 1 - s / max(steps, 1))
     )
+    eos = tokenizer.eos_token_id
+    all_prompts = [tokenizer.encode(ex.prompt, add_special_tokens=False) for ex in examples]
+    all_answers = [tokenizer.encode(ex.answer, add_special_tokens=False) + [eos] for ex in examples]
     model.train()
     acc = 0.0
     for _ in range(steps):
         idx = torch.randint(len(examples), (batch,), generator=gen).tolist()
-        prompts = [tokenizer.encode(examples[i].prompt) for i in idx]
-        answers = [tokenizer.encode(examples[i].answer) + [tokenizer.eos_token_id] for i in idx]
+        prompts = [all_prompts[i] for i in idx]
+        answers = [all_answers[i] for i in idx]
         ids, labels, attn = _pack(prompts, answers, tokenizer.pad_token_id)
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]  # [N, T-1, V]
         target = labels[:, 1:]  # [N, T-1]

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ebpo_lite import cli
 from ebpo_lite.errors import UserError
 
 MAX_TOKENS = 256  # all-MiniLM-L6-v2 was trained on texts cut at 256 word pieces
@@ -180,12 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=0, help="only the first N training examples")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_intermixed_args(argv)
-    try:
-        label(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return cli.run(label, args)
 
 
 if __name__ == "__main__":

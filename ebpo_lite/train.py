@@ -20,9 +20,8 @@ from typing import Any
 
 import torch
 
-from ebpo_lite import checkpoint, config
+from ebpo_lite import checkpoint, cli, config
 from ebpo_lite.advantages import frac_zero_std_groups
-from ebpo_lite.errors import UserError
 from ebpo_lite.eval import evaluate_policy
 from ebpo_lite.metrics import Metrics
 from ebpo_lite.run import Run, build_run
@@ -198,27 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             "example: python -m ebpo_lite.train recipes/tiny_cpu.yaml train.steps=20"
         )
         return 0 if argv else 2
-    _quiet_libraries()
-    try:
-        cfg = config.load(argv[0], argv[1:])
-        train(cfg)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def _quiet_libraries() -> None:
-    """Our progress display and summary are the output; silence library chatter."""
-    import logging
-    import warnings
-
-    from transformers.utils import logging as hf_logging
-
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    warnings.filterwarnings("ignore", category=FutureWarning)
+    return cli.run(lambda: train(config.load(argv[0], argv[1:])))
 
 
 if __name__ == "__main__":
