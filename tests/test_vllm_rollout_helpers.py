@@ -1,0 +1,203 @@
+"""The vLLM / Unsloth backends' pure helpers and error paths: default tier, no vllm needed."""
+
+from __future__ import annotations
+
+import os
+import random
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from ebpo_lite import config
+from ebpo_lite.errors import ConfigError, UserError
+from ebpo_lite.rollout import vllm as rv
+
+
+@pytest.mark.parametrize(
+    "rank,expected",
+    [
+        (1, 1),
+        (2, 8),
+        (4, 8),
+        (8, 8),
+        (9, 16),
+        (16, 16),
+        (33, 64),
+        (257, 320),
+        (321, 512),
+        (512, 512),
+    ],
+)
+def test_lora_rank_rounds_up_to_a_size_vllm_accepts(rank, expected):
+    assert rv.round_lora_rank(rank) == expected
+
+
+def test_lora_rank_above_512_names_the_key():
+    with pytest.raises(ConfigError, match=r"^model\.lora_rank: LoRA rank 513 is above 512"):
+        rv.round_lora_rank(513, "model.lora_rank")
+
+
+def test_max_model_len_is_prompt_plus_completion_capped_by_the_model():
+    assert rv.derive_max_model_len(1024, 8, None) == 1032
+    assert rv.derive_max_model_len(1024, 8, 512) == 512  # the tiny model's 512 positions
+    assert rv.derive_max_model_len(100, 28, 512) == 128
+    assert rv.derive_max_model_len(1024, 8, 512, explicit=300) == 300
+    with pytest.raises(ConfigError, match=r"^rollout\.max_model_len: 600 is above"):
+        rv.derive_max_model_len(1024, 8, 512, explicit=600)
+
+
+def test_prompt_that_does_not_fit_is_a_user_error_naming_the_key():
+    rv.check_lengths([[1] * 120, [2] * 3], 8, 128)  # exactly fits
+    with pytest.raises(UserError, match=r"^rollout\.max_model_len: a prompt of 121 tokens \+ 8"):
+        rv.check_lengths([[1] * 121], 8, 128)
+
+
+def test_request_seeds_are_deterministic_and_distinct_per_prompt():
+    a = rv.request_seeds(7, 64)
+    assert a == rv.request_seeds(7, 64)
+    assert len(set(a)) == 64  # vLLM adds g to a prompt's seed: distinct bases decorrelate prompts
+    assert rv.request_seeds(8, 64) != a
+    assert rv.request_seeds(7, 3) == a[:3]  # prompt i's seed does not depend on the batch size
+    assert all(0 <= s < 2**32 for s in a)
+
+
+@pytest.mark.parametrize(
+    "top_p,top_k,min_p,mode,warns",
+    [
+        (1.0, 0, 0.0, "token", False),
+        (0.9, 0, 0.0, "token", True),
+        (1.0, 20, 0.0, "sequence", True),
+        (1.0, 0, 0.05, "token", True),
+        (0.9, 20, 0.05, "none", False),
+    ],
+)
+def test_truncation_warning_only_with_truncation_and_correction(top_p, top_k, min_p, mode, warns):
+    msg = rv.truncation_warning(top_p, top_k, min_p, mode)
+    assert (msg is not None) == warns
+    if warns:
+        assert "algo.is_correction" in msg
+
+
+def test_truncation_warning_is_issued_once(monkeypatch):
+    monkeypatch.setattr(rv, "_warned_truncation", False)
+    cfg = config.load(None, ["rollout.top_p=0.9", "algo.is_correction=token"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rv.maybe_warn_truncation(cfg)
+        rv.maybe_warn_truncation(cfg)
+    assert len([w for w in caught if "rollout.top_p=0.9" in str(w.message)]) == 1
+
+
+def test_visible_device_maps_the_parent_index_to_one_physical_gpu():
+    assert rv.visible_device_for(1, None) == "1"
+    assert rv.visible_device_for(1, "4,6") == "6"
+    assert rv.visible_device_for(0, " 3 , 5") == "3"
+    with pytest.raises(ConfigError, match=r"^rollout\.device: cuda:2"):
+        rv.visible_device_for(2, "4,6")
+
+
+def test_adapter_root_is_writable():
+    root = rv.adapter_root()
+    assert root.is_dir() and os.access(root, os.W_OK)
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        assert str(root) == "/dev/shm"
+
+
+def test_preserved_rng_restores_python_numpy_and_torch_streams():
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    with rv.preserved_rng():
+        random.seed(99)  # what vLLM's in-process engine does at start-up
+        np.random.seed(99)
+        torch.manual_seed(99)
+        torch.rand(5)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+def test_sampling_params_carry_the_rollout_settings():
+    class Recorder(dict):
+        def __init__(self, **kw):
+            super().__init__(kw)
+
+    r = config.load(
+        None,
+        ["rollout.top_k=0", "rollout.top_p=0.95", "rollout.min_p=0.1", "rollout.temperature=0.7"],
+    ).rollout
+    params = rv.sampling_params(
+        Recorder, r, group_size=4, seed=5, num_prompts=3, temperature=None, max_tokens=12, eos_id=1
+    )
+    assert len(params) == 3
+    assert [p["seed"] for p in params] == rv.request_seeds(5, 3)
+    p = params[0]
+    assert (p["n"], p["temperature"], p["top_p"], p["top_k"], p["min_p"], p["max_tokens"]) == (
+        4,
+        0.7,
+        0.95,
+        -1,
+        0.1,
+        12,
+    )  # top_k 0 (off) is vLLM's -1
+    assert p["logprobs"] == 0 and p["stop_token_ids"] == [1]
+    greedy = rv.sampling_params(Recorder, r, 1, 0, 1, temperature=0.0, max_tokens=3, eos_id=None)
+    assert greedy[0]["temperature"] == 0.0 and greedy[0]["stop_token_ids"] is None
+
+
+def test_outputs_to_rollout_is_prompt_major_and_sorted_by_sample_index():
+    from types import SimpleNamespace as NS
+
+    def lp(ids, vals):
+        return [{t: NS(logprob=v)} for t, v in zip(ids, vals)]
+
+    outs = [
+        NS(
+            outputs=[
+                NS(
+                    index=1,
+                    token_ids=[5, 1],
+                    logprobs=lp([5, 1], [-0.5, -0.1]),
+                    finish_reason="stop",
+                ),
+                NS(
+                    index=0,
+                    token_ids=[7, 8],
+                    logprobs=lp([7, 8], [-1.0, -2.0]),
+                    finish_reason="length",
+                ),
+            ]
+        ),
+        NS(
+            outputs=[
+                NS(index=0, token_ids=[9], logprobs=lp([9], [-3.0]), finish_reason="stop"),
+                NS(
+                    index=1,
+                    token_ids=[4, 4],
+                    logprobs=lp([4, 4], [-0.2, -0.3]),
+                    finish_reason="length",
+                ),
+            ]
+        ),
+    ]
+    roll = rv.outputs_to_rollout([[10, 11], [12]], outs)
+    assert roll.completion_ids == [[7, 8], [5, 1], [9], [4, 4]]
+    assert roll.sampler_logprobs == [[-1.0, -2.0], [-0.5, -0.1], [-3.0], [-0.2, -0.3]]
+    assert roll.finished == [False, True, True, False]
+    assert roll.group_size == 2
+
+
+def test_unsloth_backend_without_gpu_is_a_clear_user_error():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: this checks the CPU-only refusal")
+    from ebpo_lite.rollout.unsloth import UnslothRollout, load_unsloth_policy
+
+    cfg = config.load(None, ["rollout.backend=unsloth"])
+    with pytest.raises(UserError, match=r"^rollout\.backend=unsloth: needs a CUDA GPU"):
+        UnslothRollout(cfg, policy=None)
+    with pytest.raises(UserError, match=r"^rollout\.backend=unsloth: needs a CUDA GPU"):
+        load_unsloth_policy(cfg)
