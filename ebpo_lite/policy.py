@@ -115,6 +115,10 @@ class Policy:
         from ebpo_lite.device import resolve_attn, resolve_device, resolve_dtype
 
         m = cfg.model
+        if cfg.rollout.backend == "unsloth":  # Unsloth builds the model so vLLM shares its base
+            from ebpo_lite.rollout.unsloth import load_unsloth_policy
+
+            return load_unsloth_policy(cfg, log)
         device = resolve_device(m.device)
         dtype = resolve_dtype(m.dtype, device)
         if m.name == "tiny":

@@ -29,7 +29,7 @@ Process and devices:
   vLLM has no sleep mode.
 
 Log-probs: each sampled token's log-prob under the raw model (vLLM's `raw_logprobs`, before
-temperature / top-p / top-k / min-p), like the transformers backend, so the mismatch metrics
+temperature / top-p / top-k / min-p), the same distribution the trainer scores, so the mismatch metrics
 compare like with like. Prompt log-probs are never requested: with LoRA they crash the CPU engine.
 
 Departures: sampling seeds are per prompt (derived from the step seed and the prompt index)
