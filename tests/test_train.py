@@ -110,6 +110,11 @@ def test_resume_is_exact(tmp_path):
         {"curriculum.sampler": "difficulty", "algo.tau2": "moments", "algo.center": "false"},
         {"curriculum.dynamic_sampling": "true", "algo.kl_coef": 0.01, "algo.num_iterations": 2},
         {"train.mini_batches": 2, "algo.clip_eps_high": 0.28, "train.schedule": "cosine"},
+        {
+            "model.gradient_checkpointing": "true",
+            "train.warmup_steps": 1,
+            "algo.is_correction": "none",
+        },
     ],
 )
 def test_variants_run(tmp_path, extra):
