@@ -30,7 +30,7 @@ if [[ "${KEEP_VENV:-0}" != "1" || ! -x "$VENV/bin/python" ]]; then
   pip_q --no-deps -r "$LOCK"
   pip_q --no-deps -e .
   # The rest of ebpo_lite's runtime deps and the test tools (the lock already has pytest).
-  pip_q "math-verify>=0.7" "datasets>=3.0" "hypothesis>=6"
+  pip_q "math-verify>=0.7" "datasets>=3.0" "hypothesis>=6" "bitsandbytes==0.50.2"
   "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 t1=$(date +%s)
