@@ -263,7 +263,8 @@ def test_four_bit_policy_with_the_vllm_sampler(tmp_path):
     steps = [r for r in recs if "train/loss" in r]
     assert len(steps) == 10
     gaps = [r["rollout/logp_diff_max"] for r in steps]
-    print(f"nf4 + vLLM: rollout/logp_diff_max per step {['%.3f' % g for g in gaps]}")
+    shown = ", ".join(f"{g:.3f}" for g in gaps)
+    print(f"nf4 + vLLM: rollout/logp_diff_max per step: {shown}")
     assert max(gaps) > 1e-3  # quantisation makes the trainer differ from the fp32 sampler
     for r in steps:
         assert all(v == v and abs(v) != float("inf") for v in r.values() if isinstance(v, float))
