@@ -17,7 +17,8 @@ character tokenizer, random weights, saved to a temporary folder). Each variant 
 status (ok / failed / skipped and why), wall time, per-step times (time/rollout_s, time/train_s),
 peak memory (torch.cuda.max_memory_allocated / max_memory_reserved), the device's used memory at
 the end (vLLM's sleep-mode pool is outside torch's counters), the sampler / trainer log-prob gap
-(rollout/logp_diff_max from <output_dir>/metrics.jsonl), the mean reward, and the memory
+(rollout/logp_diff_max from <output_dir>/metrics.jsonl; none for the transformers sampler,
+which is the trainer itself), the mean reward, and the memory
 planner's estimate for the same config (to calibrate ebpo_lite/plan.py's constants).
 
 Writes benchmarks/results/gpu_smoke_<gpu>.json. Exit status: 0 all that ran passed, 1 a variant

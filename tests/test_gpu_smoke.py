@@ -80,4 +80,5 @@ def test_a_variant_trains_through_train_main_on_cpu(tmp_path):
     ov += ["model.sft_warmup_steps=50", "train.prompts_per_step=8", "rollout.group_size=4"]
     assert train.main([str(gpu_smoke.RECIPE), *ov]) == 0
     m = gpu_smoke.read_metrics(tmp_path / "run" / "metrics.jsonl")
-    assert len(m["step_times"]) == 2 and m["logp_diff_max"] < 1e-3  # fp32: same weights
+    assert len(m["step_times"]) == 2
+    assert m["logp_diff_max"] is None  # the transformers sampler is the trainer: no gap to log
