@@ -88,10 +88,13 @@ def save(
     (tmp / "prior.json").write_text(json.dumps(prior.state_dict() if prior is not None else None))
     (tmp / "sampler.json").write_text(json.dumps(sampler.state_dict()))
     _fsync_dir(tmp)
-    if final.exists():  # re-saving the same step (e.g. interrupted right after a save)
-        shutil.rmtree(final)
+    old = root / f".old_step_{step}"
+    if final.exists():  # re-saving a step (stopped again right after resuming): swap, then delete
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
     os.rename(tmp, final)
     _fsync_dir(root)
+    shutil.rmtree(old, ignore_errors=True)
     for old in list_checkpoints(output_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -108,6 +111,11 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
         if p.is_dir() and (m := _STEP_DIR.match(p.name))
     ]
     return [p for _, p in sorted(found)]
+
+
+def remove_all(output_dir: str | Path) -> None:
+    """Delete every checkpoint of a run (train.overwrite=true)."""
+    shutil.rmtree(checkpoint_dir(output_dir), ignore_errors=True)
 
 
 def latest(output_dir: str | Path) -> Path | None:

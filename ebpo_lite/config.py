@@ -143,6 +143,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     stop_after: int = 0  # stop cleanly after this many steps of this invocation (0: never)
     resume: bool = False
+    overwrite: bool = False  # a fresh run in an output_dir with checkpoints replaces them
     threads: int = 0  # torch threads on CPU; 0: leave torch's default
 
 

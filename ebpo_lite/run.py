@@ -348,6 +348,15 @@ def _schedule(t: config.TrainConfig):
 
 def _prepare_output_dir(cfg: config.Config) -> Path:
     out = Path(cfg.output_dir)
+    found = checkpoint.latest(out)
+    if found is not None and not cfg.train.resume:
+        if not cfg.train.overwrite:
+            raise ConfigError(
+                f"output_dir: {out} already holds checkpoints (newest {found.name}); "
+                "continue with train.resume=true, pick another output_dir, or replace them "
+                "with train.overwrite=true"
+            )
+        checkpoint.remove_all(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".write_test_{os.getpid()}"

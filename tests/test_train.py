@@ -224,3 +224,16 @@ def test_micro_batching_equals_one_batch(tmp_path):
     for k in wa:
         assert torch.allclose(wa[k], wb[k], atol=1e-6, rtol=1e-4), k
     assert abs(ra["train/loss"] - rb["train/loss"]) < 1e-5
+
+
+def test_fresh_run_never_clobbers_checkpoints(tmp_path):
+    """A second fresh run into a run's folder is refused unless told to overwrite."""
+    from ebpo_lite.errors import ConfigError
+
+    out = tmp_path / "run"
+    train(_cfg(out, **{"train.steps": 1}))
+    with pytest.raises(ConfigError, match="already holds checkpoints .*train.resume=true"):
+        train(_cfg(out, **{"train.steps": 1}))
+    assert (out / "checkpoints" / "step_1").is_dir()
+    train(_cfg(out, **{"train.steps": 2, "train.overwrite": "true"}))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2"]
