@@ -32,8 +32,19 @@ class Rollout:
 class RolloutBackend(Protocol):
     """What the training loop needs from a sampler."""
 
-    def generate(self, prompt_ids: list[list[int]], group_size: int, seed: int) -> Rollout:
-        """Sample `group_size` completions per prompt with the current policy."""
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        group_size: int,
+        seed: int,
+        temperature: float | None = None,
+        max_new_tokens: int | None = None,
+    ) -> Rollout:
+        """Sample `group_size` completions per prompt with the current policy.
+
+        `temperature` / `max_new_tokens` override the rollout config (the eval uses them;
+        temperature 0 is greedy).
+        """
         ...
 
     def sync(self, policy: Policy, version: int) -> None:
