@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import random
+import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -68,14 +69,33 @@ def arithmetic_examples(n: int, seed: int, split: str) -> list[Example]:
 
 def _is_eval(prompt: str) -> bool:
     """Deterministic 1-in-8 split by the problem text (stable across Python runs)."""
-    import zlib
-
     return zlib.crc32(prompt.encode()) % 8 == 0
+
+
+def is_arithmetic(cfg: DataConfig) -> bool:
+    """True for the built-in generated task (raw-text prompts, exact-integer reward)."""
+    return cfg.name == "arithmetic" and cfg.path is None
+
+
+def encode_prompt(
+    tokenizer, ex: Example, cfg: DataConfig, raw: bool | None = None, truncate: bool = True
+) -> list[int]:
+    """Token ids of a prompt: the raw text for the tiny task, the chat template otherwise.
+
+    `raw` defaults to `is_arithmetic(cfg)`; `truncate` keeps the last `max_prompt_tokens`.
+    """
+    if is_arithmetic(cfg) if raw is None else raw:
+        return tokenizer.encode(ex.prompt, add_special_tokens=False)
+    from ebpo_lite import mathdata
+
+    text = mathdata.format_prompt(tokenizer, ex, cfg.system_prompt, cfg.thinking)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return ids[-cfg.max_prompt_tokens :] if truncate else ids
 
 
 def load_train_eval(cfg: DataConfig) -> tuple[list[Example], list[Example]]:
     """The training examples and the held-out examples for the in-training eval."""
-    if cfg.name == "arithmetic" and cfg.path is None:
+    if is_arithmetic(cfg):
         train = arithmetic_examples(cfg.num_train, seed=cfg.seed, split="train")
         held = (
             arithmetic_examples(cfg.num_eval, seed=cfg.seed, split="eval") if cfg.num_eval else []

@@ -18,7 +18,7 @@ top-k / min-p and `rollout.max_new_tokens`. A sample's pass is the recipe's weig
 this is the fraction of correct samples. Samples the reward cannot judge are left out; a prompt
 with none judged gets `pass_rate: null` (left unlabelled by `apply_labels`).
 Resumable: rows are appended as chunks finish and indices already in the file are skipped; a
-last line cut by a crash is dropped. Prompts are encoded exactly as in training (`encode_prompt`).
+last line cut by a crash is dropped. Prompts are encoded exactly as in training (`data.encode_prompt`).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def label(args: argparse.Namespace) -> Path:
     from ebpo_lite import config, data, rewards
     from ebpo_lite.eval import append_jsonl, load_policy, make_sampler, read_jsonl
     from ebpo_lite.mathdata import prompt_digest
-    from ebpo_lite.run import _reward_functions, encode_prompt
+    from ebpo_lite.run import reward_functions
 
     cfg = config.load(args.recipe, args.overrides)
     if args.k < 1 or args.batch_size < 1 or args.temperature <= 0:
@@ -80,7 +80,7 @@ def label(args: argparse.Namespace) -> Path:
             raise UserError(f"{out}: example {i} differs from the file's; labels for other data?")
     done = {r["index"] for r in rows}
     todo = [i for i in range(len(examples)) if i not in done]
-    fns, weights = _reward_functions(cfg)
+    fns, weights = reward_functions(cfg)
     policy = load_policy(cfg, ckpt=None)
     scfg = dataclasses.replace(
         cfg,
@@ -97,7 +97,7 @@ def label(args: argparse.Namespace) -> Path:
             if not idx:
                 continue
             exs = [examples[i] for i in idx]
-            prompts = [encode_prompt(policy.tokenizer, ex, cfg.data) for ex in exs]
+            prompts = [data.encode_prompt(policy.tokenizer, ex, cfg.data) for ex in exs]
             seed = (cfg.train.seed * 1_000_003 + 7919 + start) % (2**31)
             roll = sampler.generate(prompts, args.k, seed=seed)
             texts = policy.tokenizer.batch_decode(roll.completion_ids, skip_special_tokens=True)

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ebpo_lite import cli
+from ebpo_lite.data import encode_prompt, is_arithmetic
 from ebpo_lite.errors import UserError
 
 if TYPE_CHECKING:
@@ -50,9 +51,7 @@ if TYPE_CHECKING:
     from ebpo_lite.data import Example
     from ebpo_lite.run import Run
 
-ARITHMETIC_EVAL_SIZE = (
-    256  # the `arithmetic` benchmark: the tiny task's first 256 held-out problems
-)
+ARITHMETIC_EVAL_SIZE = 256  # the `arithmetic` benchmark: the tiny task's held-out problems
 MAX_STORED_ANSWER = 200  # characters of each extracted answer kept in the partial file
 
 
@@ -165,17 +164,6 @@ def benchmark_examples(name: str, dcfg: DataConfig | None = None) -> list[Exampl
     return mathdata.load_benchmark(name)
 
 
-def encode(tokenizer, ex: Example, bench: str, dcfg: DataConfig, truncate: bool) -> list[int]:
-    """Prompt ids: raw text for `arithmetic`, the chat template (run's system prompt) otherwise."""
-    from ebpo_lite import mathdata
-
-    if bench == "arithmetic":
-        return tokenizer.encode(ex.prompt, add_special_tokens=False)
-    text = mathdata.format_prompt(tokenizer, ex, dcfg.system_prompt, dcfg.thinking)
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    return ids[-dcfg.max_prompt_tokens :] if truncate else ids
-
-
 def score(
     bench: str, texts: list[str], golds: list[str], timeout_s: float
 ) -> tuple[list[float | None], list[str | None]]:
@@ -244,7 +232,6 @@ def chunk_seed(seed: int, bench: str, start: int) -> int:
 
 def evaluate_policy(run: Run) -> dict[str, Any]:
     from ebpo_lite.rollout.hf import HFRollout
-    from ebpo_lite.run import encode_prompt
 
     cfg, policy = run.cfg, run.policy
     examples = run.eval_examples[: cfg.eval.num_examples]
@@ -266,7 +253,7 @@ def evaluate_policy(run: Run) -> dict[str, Any]:
         scores = fn(texts, [ex.answer for ex in examples])
         valid = [s for s in scores if s is not None]
         out["eval/accuracy"] = sum(valid) / len(valid) if valid else float("nan")
-        if cfg.data.name == "arithmetic" and cfg.data.path is None:
+        if is_arithmetic(cfg.data):
             out["eval/expected_accuracy"] = expected_accuracy(
                 policy, prompts, [ex.answer for ex in examples]
             )
@@ -292,7 +279,7 @@ def _benchmark_metrics(run: Run, sampler: Any, max_new: int) -> dict[str, float]
     per_bench = {}
     for bench in cfg.eval.benchmarks:
         examples = benchmark_examples(bench, cfg.data)[: cfg.eval.num_examples or None]
-        prompts = [encode(tok, ex, bench, cfg.data, truncate=True) for ex in examples]
+        prompts = [encode_prompt(tok, ex, cfg.data, raw=bench == "arithmetic") for ex in examples]
         records = []
         step = 64
         for s in range(0, len(examples), step):
@@ -473,7 +460,10 @@ def run_benchmark(args, cfg, policy, sampler, bench: str, partial: Path, done: d
         if not idx:
             continue
         exs = [examples[i] for i in idx]
-        prompts = [encode(policy.tokenizer, ex, bench, cfg.data, truncate=False) for ex in exs]
+        raw = bench == "arithmetic"
+        prompts = [
+            encode_prompt(policy.tokenizer, ex, cfg.data, raw=raw, truncate=False) for ex in exs
+        ]
         recs = eval_examples(
             sampler,
             policy.tokenizer,
@@ -498,7 +488,10 @@ def _longest_prompt(cfg: Config, tokenizer, benches: list[str], limit: int) -> i
     longest = 1
     for bench in benches:
         for ex in benchmark_examples(bench, cfg.data)[: limit or None]:
-            longest = max(longest, len(encode(tokenizer, ex, bench, cfg.data, truncate=False)))
+            prompt = encode_prompt(
+                tokenizer, ex, cfg.data, raw=bench == "arithmetic", truncate=False
+            )
+            longest = max(longest, len(prompt))
     return longest
 
 

@@ -254,8 +254,8 @@ def build_run(cfg: config.Config) -> Run:
 
     preflight(cfg)  # on a GPU: refuse a plan that cannot fit before the model loads (CPU: no-op)
     policy = Policy.from_config(cfg)
-    prompt_ids = [encode_prompt(policy.tokenizer, ex, cfg.data) for ex in train_ex]
-    fns, weights = _reward_functions(cfg)
+    prompt_ids = [data.encode_prompt(policy.tokenizer, ex, cfg.data) for ex in train_ex]
+    fns, weights = reward_functions(cfg)
     sampler = curriculum.make_sampler(
         cfg.curriculum.sampler,
         len(train_ex),
@@ -306,24 +306,11 @@ def build_run(cfg: config.Config) -> Run:
     )
 
 
-def encode_prompt(tokenizer, ex: data.Example, dcfg: config.DataConfig) -> list[int]:
-    """Token ids of a prompt: the raw text for the tiny task, the chat template otherwise."""
-    if dcfg.name == "arithmetic" and dcfg.path is None:
-        return tokenizer.encode(ex.prompt, add_special_tokens=False)
-    from ebpo_lite import mathdata
-
-    text = mathdata.format_prompt(tokenizer, ex, dcfg.system_prompt, dcfg.thinking)
-    return tokenizer.encode(text, add_special_tokens=False)[-dcfg.max_prompt_tokens :]
-
-
-def _reward_functions(cfg: config.Config):
+def reward_functions(cfg: config.Config):
+    """The (name, function) pairs and weights of `reward.*`; `auto` picks by dataset."""
     names = list(cfg.reward.functions)
     if names == ["auto"]:
-        names = [
-            "arithmetic_answer"
-            if cfg.data.name == "arithmetic" and cfg.data.path is None
-            else "math_answer"
-        ]
+        names = rewards.default_reward_names("arithmetic" if data.is_arithmetic(cfg.data) else "")
     fns = []
     for name in names:
         try:
