@@ -168,7 +168,23 @@ class PromptSampler:
         raise NotImplementedError
 
 
-class ShuffleSampler(PromptSampler):
+class _StreamSampler(PromptSampler):
+    """A sampler that reads one `_Stream` of epochs (shuffle, difficulty): state is its position."""
+
+    _stream: _Stream
+
+    def _state(self) -> dict[str, Any]:
+        return {"stream": self._stream.state()}
+
+    def _load(self, state: dict[str, Any]) -> None:
+        self._stream.load(state["stream"])
+
+    def stats(self) -> dict[str, float]:
+        s = self._stream
+        return {**super().stats(), "epoch": s.epoch + s.pos / self.n_examples}
+
+
+class ShuffleSampler(_StreamSampler):
     """Seeded epochs: a fresh permutation of all examples per epoch."""
 
     name = "shuffle"
@@ -180,16 +196,6 @@ class ShuffleSampler(PromptSampler):
 
     def _next(self, n: int) -> list[int]:
         return self._stream.take(n)
-
-    def _state(self) -> dict[str, Any]:
-        return {"stream": self._stream.state()}
-
-    def _load(self, state: dict[str, Any]) -> None:
-        self._stream.load(state["stream"])
-
-    def stats(self) -> dict[str, float]:
-        s = self._stream
-        return {**super().stats(), "epoch": s.epoch + s.pos / self.n_examples}
 
 
 class TopicSampler(PromptSampler):
@@ -261,7 +267,7 @@ class TopicSampler(PromptSampler):
         return {**super().stats(), "topic_index": float(self.topic_pos)}
 
 
-class DifficultySampler(PromptSampler):
+class DifficultySampler(_StreamSampler):
     """Easy to hard by a per-example value; ties shuffled per pass; missing values last."""
 
     name = "difficulty"
@@ -305,16 +311,6 @@ class DifficultySampler(PromptSampler):
         if self._fp is None:
             self._fp = _crc([self._key.tolist(), self._stream.repeat])
         return self._fp
-
-    def _state(self) -> dict[str, Any]:
-        return {"stream": self._stream.state()}
-
-    def _load(self, state: dict[str, Any]) -> None:
-        self._stream.load(state["stream"])
-
-    def stats(self) -> dict[str, float]:
-        s = self._stream
-        return {**super().stats(), "epoch": s.epoch + s.pos / self.n_examples}
 
 
 class AdaptiveSampler(PromptSampler):

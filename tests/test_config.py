@@ -129,6 +129,8 @@ def test_cli_process_exit_status_and_no_traceback():
     assert r.stderr.strip() == "error: train.steps: must be >= 1, got -1"
 
 
-def test_cli_help():
-    r = _cli("--help")
-    assert r.returncode == 0 and "usage" in r.stdout
+def test_cli_help(capsys):
+    from ebpo_lite.train import main
+
+    assert main(["--help"]) == 0 and "usage" in capsys.readouterr().out
+    assert main([]) == 2  # no recipe: usage, and a failing status
