@@ -9,41 +9,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
+from _machine import command, machine
 
 from ebpo_lite.advantages import EBPrior, compute_advantages
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPICS = ["algebra", "calculus", "geometry", "discrete", "probability", "linalg", "applied",
           "physics", "advanced"]  # fmt: skip
-
-
-def machine() -> dict:
-    return {
-        "cpu": platform.processor() or platform.machine(),
-        "cores": os.cpu_count(),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-    }
-
-
-def command() -> str:
-    exe = (
-        os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(str(ROOT)) else "python"
-    )
-    return shlex.join(
-        [exe, os.path.relpath(sys.argv[0], ROOT) if sys.argv[0] else "-", *sys.argv[1:]]
-    )
 
 
 def cases(B: int) -> dict:

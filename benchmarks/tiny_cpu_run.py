@@ -11,13 +11,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
+import re
 import resource
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _machine import command, machine
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,22 +46,17 @@ def main() -> None:
         if proc.returncode != 0:
             sys.exit(proc.stderr[-2000:])
         summary = json.loads((out / "summary.json").read_text())
-    import torch
-
+    warmup = re.search(r"supervised warm-up \d+ steps in (\d+)s", proc.stdout)
     result = {
-        "command": "python benchmarks/tiny_cpu_run.py" + (" --cold" if args.cold else ""),
+        "command": command(),
         "runs": "python -m ebpo_lite.train recipes/tiny_cpu.yaml",
         "cold_cache": args.cold,
         "wall_s": round(wall, 1),
+        "warmup_s": int(warmup.group(1)) if warmup else None,  # None: the cache was warm
         "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20, 2),
         "summary": {k: v for k, v in summary.items() if k not in ("output_dir", "checkpoint")},
         "last_lines": proc.stdout.strip().splitlines()[-4:],
-        "machine": {
-            "cores": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-        },
+        "machine": machine(),
     }
     dest = REPO / "benchmarks" / "results" / "tiny_cpu_run.json"
     dest.write_text(json.dumps(result, indent=2) + "\n")

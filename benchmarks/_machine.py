@@ -1,0 +1,42 @@
+"""What every benchmark records next to its numbers: the machine and the exact command."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def machine(**extra) -> dict:
+    """CPU model, cores, threads, torch / Python versions, load average; plus `extra`."""
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+        **extra,
+    }
+
+
+def command() -> str:
+    """The command line that ran this script, with paths relative to the repository."""
+    exe = Path(sys.executable)
+    python = str(exe.relative_to(ROOT)) if exe.is_relative_to(ROOT) else "python"
+    script = os.path.relpath(sys.argv[0], ROOT) if sys.argv[0] else "-"
+    return shlex.join([python, script, *sys.argv[1:]])
