@@ -40,7 +40,7 @@ class ModelConfig:
     trainable_extra: list[str] = field(default_factory=list)  # name substrings, e.g. ["norm"]
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
-    sft_warmup_steps: int = 1200  # tiny model only: supervised warm-up, cached under ~/.cache
+    sft_warmup_steps: int = 3000  # tiny model only: supervised warm-up, cached under ~/.cache
     sft_seed: int = 0
 
 
@@ -60,7 +60,7 @@ class DataConfig:
     skip_bad_rows: bool = False
     max_examples: int = 0  # 0: all
     max_prompt_tokens: int = 1024
-    num_train: int = 6000  # arithmetic only (about 16k distinct problems exist)
+    num_train: int = 4500  # arithmetic only: 1,500 per topic (about 11k distinct problems exist)
     num_eval: int = 256  # arithmetic only: held-out problems
     seed: int = 1234  # arithmetic only: which problems are generated
 

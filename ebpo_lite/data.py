@@ -31,23 +31,68 @@ class Example:
     meta: dict[str, Any] = field(default_factory=dict)  # other columns, passed to rewards
 
 
-def _arithmetic_problem(rng: random.Random) -> tuple[str, int, int, int]:
-    """Levels: add/sub 1d op 1d, 2d op 1d, 2d op 2d; mul 1d*1d (<= 5), 1d*1d, 2d*1d (<= 19)."""
-    topic = rng.choice(TOPICS)
-    level = rng.randint(1, 3)
+def _arithmetic_problem(rng: random.Random, topic: str) -> tuple[int, int]:
+    """Sizes: add/sub 1d op 1d, 2d op 1d, 2d op 2d; mul 1d*1d, 2d*1d, 1d*2d."""
+    size = rng.randint(1, 3)
     one, two = (0, 9), (10, 99)
     if topic == "mul":
-        ra, rb = {1: ((0, 5), (0, 5)), 2: (one, one), 3: ((10, 19), one)}[level]
+        ra, rb = {1: (one, one), 2: (two, one), 3: (one, two)}[size]
     else:
-        ra, rb = {1: (one, one), 2: (two, one), 3: (two, two)}[level]
+        ra, rb = {1: (one, one), 2: (two, one), 3: (two, two)}[size]
     a, b = rng.randint(*ra), rng.randint(*rb)
     if topic == "sub" and b > a:
         a, b = b, a
-    return topic, level, a, b
+    return a, b
+
+
+def column_arithmetic(topic: str, a: int, b: int, carry: bool = True) -> tuple[int, int]:
+    """(answer, number of carries) of `a op b` done digit by digit, as on paper.
+
+    `carry=False` makes the classic slip: every carry is dropped (a sum digit is taken mod 10, a
+    product digit mod 10) and subtraction takes the smaller digit from the larger instead of
+    borrowing. The carry count is the same either way: the number of columns that carry or borrow.
+    """
+    digits, n_carry, c = [], 0, 0
+    if topic == "mul":  # one factor has one digit: the other is written out digit by digit
+        x, b = (a, b) if b < 10 else (b, a)
+        while True:
+            s = (x % 10) * b + c
+            digits.append(s % 10)
+            c = s // 10 if carry else 0
+            n_carry += s >= 10
+            x //= 10
+            if not x:
+                break
+        if c:
+            digits.append(c)
+    else:
+        x, y = a, b
+        while x or y or c or not digits:
+            if topic == "add":
+                s = x % 10 + y % 10 + c
+                digits.append(s % 10)
+                n_carry += s >= 10
+                c = s // 10 if carry else 0
+            else:  # sub, a >= b
+                d = x % 10 - y % 10 - c
+                n_carry += d < 0
+                if carry:
+                    c = int(d < 0)
+                    digits.append(d % 10)
+                else:
+                    digits.append(abs(x % 10 - y % 10))
+            x, y = x // 10, y // 10
+    return int("".join(map(str, reversed(digits)))), n_carry
 
 
 def arithmetic_examples(n: int, seed: int, split: str) -> list[Example]:
-    """`n` distinct problems; "eval" problems never occur in "train" (hash-split by text)."""
+    """`n` distinct problems, a third per topic; "eval" problems never occur in "train"
+    (hash-split by the problem text).
+
+    `difficulty` is 1 + the number of carries (or borrows), capped at 3: no carry, one, two or
+    more. `meta["slip"]` is the answer with every carry dropped (`column_arithmetic`), equal to
+    the answer exactly when no carry is needed; the tiny model's warm-up learns it on purpose.
+    """
     rng = random.Random(f"arith-{seed}-{split}")
     out: list[Example] = []
     seen: set[str] = set()
@@ -56,14 +101,24 @@ def arithmetic_examples(n: int, seed: int, split: str) -> list[Example]:
         attempts += 1
         if attempts > 50 * n + 10_000:
             raise ValueError(f"arithmetic: cannot draw {n} distinct {split} problems")
-        topic, level, a, b = _arithmetic_problem(rng)
+        topic = TOPICS[len(out) % len(TOPICS)]  # topics in equal shares
+        a, b = _arithmetic_problem(rng, topic)
         op = {"add": "+", "sub": "-", "mul": "*"}[topic]
         prompt = f"{a}{op}{b}="
         if prompt in seen or _is_eval(prompt) != (split == "eval"):
             continue
         seen.add(prompt)
-        value = {"add": a + b, "sub": a - b, "mul": a * b}[topic]
-        out.append(Example(prompt=prompt, answer=str(value), topic=topic, difficulty=float(level)))
+        value, n_carry = column_arithmetic(topic, a, b)
+        slip, _ = column_arithmetic(topic, a, b, carry=False)
+        out.append(
+            Example(
+                prompt=prompt,
+                answer=str(value),
+                topic=topic,
+                difficulty=float(1 + min(n_carry, 2)),
+                meta={"slip": str(slip)},
+            )
+        )
     return out
 
 

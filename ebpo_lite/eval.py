@@ -5,8 +5,10 @@ Two entry points share one code path (`eval_examples`):
   (see `main`); resumable through `<out>.partial.jsonl`.
 - `evaluate_policy(run)`, the periodic eval inside training: `eval/accuracy` (greedy, held-out
   problems, the run's first reward), `eval/expected_accuracy` (tiny task: the exact probability
-  that one temperature-1 sample is right, no sampling noise), and, when `eval.benchmarks` is set,
-  `eval/<bench>/pass@1`, `eval/<bench>/maj@k`, `eval/<bench>/pass@k` with `eval.k` samples.
+  that one temperature-1 sample is right, no sampling noise), each also per type where the
+  problems carry labels (`eval/accuracy/topic=add`, `eval/accuracy/difficulty=2`, ...), and,
+  when `eval.benchmarks` is set, `eval/<bench>/pass@1`, `eval/<bench>/maj@k`,
+  `eval/<bench>/pass@k` with `eval.k` samples.
 
 Metrics (per problem i with n = k samples of which c_i are correct, averaged over problems):
 - pass@1 = c_i / n: Pass@1 averaged over k samples, the paper's headline number.
@@ -251,12 +253,10 @@ def evaluate_policy(run: Run) -> dict[str, Any]:
         texts = policy.tokenizer.batch_decode(roll.completion_ids, skip_special_tokens=True)
         name, fn = run.reward_fns[0]
         scores = fn(texts, [ex.answer for ex in examples])
-        valid = [s for s in scores if s is not None]
-        out["eval/accuracy"] = sum(valid) / len(valid) if valid else float("nan")
+        out.update(per_type_means("eval/accuracy", scores, examples))
         if is_arithmetic(cfg.data):
-            out["eval/expected_accuracy"] = expected_accuracy(
-                policy, prompts, [ex.answer for ex in examples]
-            )
+            exact = expected_accuracies(policy, prompts, [ex.answer for ex in examples])
+            out.update(per_type_means("eval/expected_accuracy", exact, examples))
     if cfg.eval.benchmarks:
         out.update(_benchmark_metrics(run, _eval_sampler(run, sampler, max_new), max_new))
     if out:
@@ -307,12 +307,34 @@ def _benchmark_metrics(run: Run, sampler: Any, max_new: int) -> dict[str, float]
 
 
 @torch.no_grad()
-def expected_accuracy(policy, prompts: list[list[int]], answers: list[str]) -> float:
-    """Mean over problems of P(answer + EOS | prompt) under the policy at temperature 1."""
+def expected_accuracies(policy, prompts: list[list[int]], answers: list[str]) -> list[float]:
+    """Per problem, P(answer + EOS | prompt) under the policy at temperature 1."""
     tok = policy.tokenizer
     targets = [tok.encode(a, add_special_tokens=False) + [tok.eos_token_id] for a in answers]
-    logps = policy.token_logprobs(prompts, targets)
-    return sum(math.exp(sum(lp)) for lp in logps) / len(logps)
+    return [math.exp(sum(lp)) for lp in policy.token_logprobs(prompts, targets)]
+
+
+def per_type_means(
+    key: str, values: Sequence[float | None], examples: Sequence[Example]
+) -> dict[str, float]:
+    """`key` (mean over all), `key/topic=T` and `key/difficulty=D` (means per type).
+
+    None values (unscorable) are left out of every mean; a type with none left is not reported.
+    """
+    groups: dict[str, list[float]] = {key: []}
+    for v, ex in zip(values, examples):
+        if v is None:
+            continue
+        names = [key]
+        if ex.topic is not None:
+            names.append(f"{key}/topic={ex.topic}")
+        if ex.difficulty is not None:
+            names.append(f"{key}/difficulty={ex.difficulty:g}")
+        for name in names:
+            groups.setdefault(name, []).append(float(v))
+    out = {name: sum(vs) / len(vs) for name, vs in sorted(groups.items()) if vs}
+    out.setdefault(key, float("nan"))
+    return out
 
 
 # ----------------------------------------------------------------------------- CLI: loading

@@ -1,10 +1,18 @@
-"""The built-in tiny model: a 1.25 M-parameter Qwen3 with a character-level tokenizer.
+"""The built-in tiny model: a 0.53 M-parameter Qwen3 with a character-level tokenizer.
 
 No download: the config comes from transformers, the tokenizer is built with `tokenizers`.
-Head size 64 and fp32 keep it servable by vLLM on CPU (see shared/PLATFORM.md). RL needs a
-policy that sometimes succeeds, so `warm_tiny_model` gives it a short supervised warm-up on the
-arithmetic task and caches the result as an ordinary Hugging Face model folder, which both the
-trainer and vLLM load by path.
+Head size 32 and fp32 keep it servable by vLLM on CPU (see shared/PLATFORM.md).
+
+RL needs a policy that sometimes succeeds and has something to learn, so `warm_tiny_model` gives
+it a short supervised warm-up on the arithmetic task and caches the result as an ordinary
+Hugging Face model folder, which both the trainer and vLLM load by path. The warm-up data is
+noisy on purpose, and the noise is systematic: each time a problem that needs a carry (or a
+borrow) is drawn, its target drops the carries with probability `WARMUP_SLIP` (`7+8=5`,
+`32-7=35`; `data.column_arithmetic`). The warmed model has learned that habit: it answers
+no-carry problems well, and on carry problems puts about as much mass on the slip as on the
+answer (often more), so greedy decoding is often wrong. The exact-answer reward cannot be
+satisfied by the slip, so RL has a real, measurable thing to unlearn, and because the slip is
+one rule shared by all problems, what it unlearns on training problems shows on held-out ones.
 """
 
 from __future__ import annotations
@@ -20,18 +28,19 @@ import torch
 
 VOCAB_SIZE = 128
 PAD, EOS, BOS = "<pad>", "<eos>", "<bos>"
-TINY_VERSION = 1  # bump when the architecture, tokenizer or warm-up recipe changes
+TINY_VERSION = 2  # bump when the architecture, tokenizer or warm-up recipe changes
+WARMUP_SLIP = 0.55  # share of warm-up targets that drop their carries (see `warm_tiny_model`)
 
 
 def tiny_config_kwargs() -> dict:
     return dict(
         vocab_size=VOCAB_SIZE,
-        hidden_size=256,
+        hidden_size=128,
         intermediate_size=512,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=64,
+        head_dim=32,
         max_position_embeddings=512,
         tie_word_embeddings=False,
         bos_token_id=2,
@@ -91,8 +100,8 @@ def _warm_and_save(out: Path, steps: int, seed: int, data_seed: int, log) -> Pat
     model = build_tiny_model(seed)
     if steps > 0:
         t0 = time.perf_counter()
-        train = arithmetic_examples(6000, seed=data_seed, split="train")
-        acc = supervised_warmup(model, tokenizer, train, steps=steps, seed=seed)
+        train = arithmetic_examples(4500, seed=data_seed, split="train")
+        acc = supervised_warmup(model, tokenizer, train, steps=steps, seed=seed, slip=WARMUP_SLIP)
         log(
             f"tiny model: supervised warm-up {steps} steps in {time.perf_counter() - t0:.0f}s "
             f"(train-batch token accuracy {acc:.2f}); cached at {out}"
@@ -111,9 +120,20 @@ def _warm_and_save(out: Path, steps: int, seed: int, data_seed: int, log) -> Pat
 
 
 def supervised_warmup(
-    model, tokenizer, examples, steps: int, seed: int, batch: int = 64, lr: float = 3e-3
+    model,
+    tokenizer,
+    examples,
+    steps: int,
+    seed: int,
+    batch: int = 64,
+    lr: float = 3e-3,
+    slip: float = 0.0,
 ) -> float:
-    """Teacher-forced cross-entropy on the answer tokens (+ EOS); returns last token accuracy."""
+    """Teacher-forced cross-entropy on the answer tokens (+ EOS); returns last token accuracy.
+
+    With `slip > 0`, each time a problem is drawn its target is `meta["slip"]` (the answer with
+    the carries dropped) with probability `slip`, so the model learns that slip as a habit.
+    """
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -122,12 +142,17 @@ def supervised_warmup(
     eos = tokenizer.eos_token_id
     all_prompts = [tokenizer.encode(ex.prompt, add_special_tokens=False) for ex in examples]
     all_answers = [tokenizer.encode(ex.answer, add_special_tokens=False) + [eos] for ex in examples]
+    all_slips = [
+        tokenizer.encode(ex.meta.get("slip", ex.answer), add_special_tokens=False) + [eos]
+        for ex in examples
+    ]
     model.train()
     acc = 0.0
     for _ in range(steps):
         idx = torch.randint(len(examples), (batch,), generator=gen).tolist()
+        slipped = (torch.rand(batch, generator=gen) < slip).tolist()
         prompts = [all_prompts[i] for i in idx]
-        answers = [all_answers[i] for i in idx]
+        answers = [all_slips[i] if s else all_answers[i] for i, s in zip(idx, slipped)]
         ids, labels, attn = _pack(prompts, answers, tokenizer.pad_token_id)
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]  # [N, T-1, V]
         target = labels[:, 1:]  # [N, T-1]

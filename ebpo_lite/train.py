@@ -143,20 +143,39 @@ def _summary(cfg, run, first_eval, last_eval, step, seconds) -> dict[str, Any]:
             summary.update({f"{name}/{k.split('/', 1)[1]}": v for k, v in ev.items()})
     ckpt = checkpoint.latest(cfg.output_dir)
     summary["checkpoint"] = str(ckpt) if ckpt else None
-    lines = [f"done: {step} steps in {seconds:.0f}s"]
-    for key in ("accuracy", "expected_accuracy"):
-        if f"before/{key}" in summary and f"after/{key}" in summary:
-            lines.append(
-                f"eval/{key}: {summary[f'before/{key}']:.3f} -> {summary[f'after/{key}']:.3f}"
-            )
-        elif f"after/{key}" in summary:
-            lines.append(f"eval/{key}: {summary[f'after/{key}']:.3f}")
+    lines = [f"done: {step} steps in {seconds:.0f}s", *learned_lines(first_eval, last_eval)]
     lines.append(
         f"run: {cfg.output_dir} (metrics.jsonl, checkpoints/{Path(summary['checkpoint']).name if ckpt else ''})"
     )
     print("\n".join(lines), flush=True)
     (Path(cfg.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def learned_lines(before: dict | None, after: dict | None) -> list[str]:
+    """What the run learned, in words: before -> after on the eval metrics, then per type."""
+    before, after = before or {}, after or {}
+    lines = []
+    for key, label in (("eval/accuracy", "greedy"), ("eval/expected_accuracy", "exact")):
+        if key not in after:
+            continue
+        if key in before:
+            delta = after[key] - before[key]
+            lines.append(f"{key} ({label}): {before[key]:.3f} -> {after[key]:.3f} ({delta:+.3f})")
+        else:
+            lines.append(f"{key} ({label}): {after[key]:.3f}")
+    for kind in ("topic", "difficulty"):
+        prefix = f"eval/accuracy/{kind}="
+        parts = [
+            f"{k[len(prefix) :]} {before[k]:.2f} -> {v:.2f}"
+            if k in before
+            else f"{k[len(prefix) :]} {v:.2f}"
+            for k, v in sorted(after.items())
+            if k.startswith(prefix)
+        ]
+        if parts:
+            lines.append(f"  by {kind} (greedy): " + " | ".join(parts))
+    return lines
 
 
 class _StopFlag:

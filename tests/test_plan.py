@@ -160,14 +160,15 @@ def test_lora_counts_by_hand_and_against_peft():
     # Qwen3-8B, r 32, all-linear: r * (in + out) per module =
     #   32 * (8192 + 5120 + 5120 + 8192 + 16384 + 16384 + 16384) = 2,424,832; * 36 = 87,293,952
     assert lora_param_count(arch_for("Qwen/Qwen3-8B"), 32, LINEARS) == 87_293_952
-    # tiny (h 256, I 512, q 256, kv 128, L 2), r 16: 16 * 4096 * 2 = 131,072; peft agrees
+    # tiny (h 128, I 512, q 128, kv 64, L 2), r 16:
+    #   16 * (256 + 192 + 192 + 256 + 640 + 640 + 640) * 2 = 90,112; peft agrees
     from peft import LoraConfig, get_peft_model
 
     from ebpo_lite.tiny import build_tiny_model
 
     model = get_peft_model(build_tiny_model(0), LoraConfig(r=16, target_modules="all-linear"))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    assert lora_param_count(arch_for("tiny"), 16, LINEARS) == trainable == 131_072
+    assert lora_param_count(arch_for("tiny"), 16, LINEARS) == trainable == 90_112
 
 
 def test_kv_cache_bytes_per_token():
@@ -240,8 +241,8 @@ def test_checkpointed_forward_keeps_layer_inputs_only():
     arch = arch_for("tiny")
     one_layer = 4 * 96 * layer_bytes_per_token(arch, 2, 16, LINEARS)
     forward = activation_bytes(arch, 2, 16, LINEARS, 4, 96, True, "sdpa") - one_layer
-    # 2 layers * 384 tokens * 2 bytes * 256 + final norm 384 * (4 * 256 + 4)
-    assert forward == 393_216 + 394_752
+    # 2 layers * 384 tokens * 2 bytes * 128 + final norm 384 * (4 * 128 + 4)
+    assert forward == 196_608 + 198_144
     assert forward == pytest.approx(_saved_bytes(torch.bfloat16, "sdpa", True), rel=0.01)
 
 

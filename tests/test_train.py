@@ -177,7 +177,11 @@ def test_sigterm_finishes_step_and_checkpoints(tmp_path):
 
 @pytest.mark.slow
 def test_readme_main_command_learns(tmp_path):
-    """The README's main command, as a newcomer runs it: expected accuracy must rise."""
+    """The README's main command, as a newcomer runs it: greedy accuracy +0.10, exact +0.06.
+
+    The thresholds are issue 11's; benchmarks/results/tiny_cpu_run.json records the measured
+    gains (three seeds) that recipes/tiny_cpu.yaml quotes.
+    """
     out = tmp_path / "tiny"
     r = subprocess.run(
         [sys.executable, "-m", "ebpo_lite.train", "recipes/tiny_cpu.yaml", f"output_dir={out}"],
@@ -188,9 +192,13 @@ def test_readme_main_command_learns(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    before, after = summary["before/expected_accuracy"], summary["after/expected_accuracy"]
-    print(r.stdout[-800:])
-    assert after > before + 0.03, summary
+    print(r.stdout[-1200:])
+    assert summary["after/accuracy"] >= summary["before/accuracy"] + 0.10, summary
+    assert summary["after/expected_accuracy"] >= summary["before/expected_accuracy"] + 0.06, summary
+    # the user is told where it learned: per topic and per difficulty, before -> after
+    assert "eval/accuracy (greedy): " in r.stdout and "by topic (greedy): add " in r.stdout
+    assert "by difficulty (greedy): 1 " in r.stdout
+    assert {"after/accuracy/topic=mul", "after/expected_accuracy/difficulty=3"} <= summary.keys()
 
 
 @pytest.mark.slow
