@@ -32,7 +32,9 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     policy, G = run.policy, run.cfg.rollout.group_size
     # 1. sample prompts and G completions each (prompt-major rows: i * G + g)
     t0 = time.perf_counter()
+    run.backend.wake()  # the sampler's memory back, once for all draws
     idx, rollout, rewards, mask, extra_draws = run.sample_and_score(step)  # rewards/mask [B, G]
+    run.backend.sleep()  # and freed for training
     t_rollout = time.perf_counter() - t0
     # 2. advantages, one per completion
     keys = run.prior_keys(idx)
