@@ -30,16 +30,17 @@ from ebpo_lite.run import Run, build_run
 def train_step(run: Run, step: int) -> dict[str, Any]:
     """One RL step, top to bottom. Returns the step's metrics."""
     policy, G = run.policy, run.cfg.rollout.group_size
-    # 1. sample prompts and G completions each (prompt-major rows: i * G + g)
+    # 1. sample prompts and G completions each (prompt-major rows: i * G + g); the curriculum
+    #    sees every drawn group, dynamic sampling keeps the informative ones
     t0 = time.perf_counter()
     run.backend.wake()  # the sampler's memory back, once for all draws
-    idx, rollout, rewards, mask, extra_draws = run.sample_and_score(step)  # rewards/mask [B, G]
+    sample = run.sample_and_score(step)
+    rollout, rewards, mask = sample.rollout, sample.rewards, sample.mask  # rewards/mask [B, G]
     run.backend.sleep()  # and freed for training
     t_rollout = time.perf_counter() - t0
-    # 2. advantages, one per completion
-    keys = run.prior_keys(idx)
-    adv, adv_stats = run.advantages(rewards, mask, keys)  # [B, G]
-    run.sampler.update(idx, rewards)
+    # 2. the EB prior observes every drawn group, then advantages for the kept ones
+    run.observe(sample)
+    adv, adv_stats = run.advantages(rewards, mask, run.prior_keys(sample.idx))  # [B, G]
     # 3. loss and gradients over micro-batches, num_iterations passes over the rollout
     t1 = time.perf_counter()
     prompts = [rollout.prompt_ids[i // G] for i in range(len(rollout.completion_ids))]
@@ -49,16 +50,20 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     run.backend.sync(policy, version=step)
     t_sync = time.perf_counter() - t1 - t_train
     # 5. metrics
+    #    (rewards over every drawn group: the kept ones are selected for mixed rewards)
     lengths = torch.tensor([len(c) for c in rollout.completion_ids], dtype=torch.float)
-    valid = rewards[mask]
+    drawn, drawn_mask = sample.drawn_rewards, sample.drawn_mask  # [B_drawn, G]
+    valid = drawn[drawn_mask]
     return {
         "train/reward_mean": valid.mean().item() if valid.numel() else float("nan"),
         "train/reward_std": valid.std().item() if valid.numel() > 1 else 0.0,
         "train/response_len": lengths.mean().item(),
         "train/truncated_frac": 1.0 - sum(rollout.finished) / max(len(rollout.finished), 1),
-        "train/frac_zero_std_groups": frac_zero_std_groups(rewards, mask),
-        "train/unscored_frac": 1.0 - mask.float().mean().item(),
-        "train/extra_draws": extra_draws,
+        "train/frac_zero_std_groups": frac_zero_std_groups(drawn, drawn_mask),
+        "train/unscored_frac": 1.0 - drawn_mask.float().mean().item(),
+        "train/extra_draws": sample.extra_draws,
+        "train/groups_drawn": len(sample.drawn_idx),
+        "train/groups_kept": len(sample.idx),
         "train/lr": run.scheduler.get_last_lr()[0],
         **loss_stats,
         **{f"adv/{k}": v for k, v in adv_stats.items()},
