@@ -22,9 +22,9 @@ import torch
 
 from ebpo_lite import checkpoint, cli, config
 from ebpo_lite.advantages import frac_zero_std_groups
-from ebpo_lite.eval import evaluate_policy
 from ebpo_lite.metrics import Metrics
 from ebpo_lite.run import Run, build_run
+from ebpo_lite.train_eval import evaluate_policy
 
 
 def train_step(run: Run, step: int) -> dict[str, Any]:
@@ -91,8 +91,10 @@ def train(cfg: config.Config) -> dict[str, Any]:
     stop = _StopFlag()
     t_start = time.perf_counter()
     first_eval = last_eval = None
+    eval_s = 0.0  # all evals of this invocation
     if start == 0:
         first_eval = evaluate_policy(run)
+        eval_s += first_eval.get("time/eval_s", 0.0)
         metrics.log(0, first_eval)
     step, steps_here = start, 0
     try:
@@ -110,6 +112,7 @@ def train(cfg: config.Config) -> dict[str, Any]:
             final = step == cfg.train.steps
             if (cfg.eval.every and step % cfg.eval.every == 0) or final:
                 last_eval = evaluate_policy(run)
+                eval_s += last_eval.get("time/eval_s", 0.0)
                 metrics.log(step, last_eval)
             interrupted = stop.raised or (
                 cfg.train.stop_after and steps_here >= cfg.train.stop_after
@@ -135,14 +138,16 @@ def train(cfg: config.Config) -> dict[str, Any]:
         stop.restore()
         metrics.close()
         run.backend.close()
-    summary = _summary(cfg, run, first_eval, last_eval, step, time.perf_counter() - t_start)
+    seconds = time.perf_counter() - t_start
+    summary = _summary(cfg, run, first_eval, last_eval, step, seconds, eval_s)
     return summary
 
 
-def _summary(cfg, run, first_eval, last_eval, step, seconds) -> dict[str, Any]:
+def _summary(cfg, run, first_eval, last_eval, step, seconds, eval_s) -> dict[str, Any]:
     summary: dict[str, Any] = {
         "steps_done": step,
         "seconds": round(seconds, 1),
+        "eval_seconds": round(eval_s, 1),
         "output_dir": str(cfg.output_dir),
     }
     for name, ev in (("before", first_eval), ("after", last_eval)):
@@ -150,7 +155,7 @@ def _summary(cfg, run, first_eval, last_eval, step, seconds) -> dict[str, Any]:
             summary.update({f"{name}/{k.split('/', 1)[1]}": v for k, v in ev.items()})
     ckpt = checkpoint.latest(cfg.output_dir)
     summary["checkpoint"] = str(ckpt) if ckpt else None
-    lines = [f"done: {step} steps in {seconds:.0f}s"]
+    lines = [f"done: {step} steps in {seconds:.0f}s (eval {eval_s:.0f}s)"]
     for key in ("accuracy", "expected_accuracy"):
         if f"before/{key}" in summary and f"after/{key}" in summary:
             lines.append(
