@@ -56,6 +56,7 @@ from ebpo_lite.memory import (
     arch_for,
     arch_from_config,
     base_weight_bytes,
+    eval_sequence_bytes,
     extra_trainable_count,
     kv_bytes_per_token,
     logits_bytes,
@@ -415,22 +416,6 @@ def _eval_chunk(cfg: Any, c: dict[str, Any], gpu_gb: float, reserved: float) -> 
 
 
 # ----------------------------------------------------------------------------- eval chunks
-
-
-def eval_sequence_bytes(arch: Arch, a: int, prompt_tokens: int, new_tokens: int) -> int:
-    """Working memory of one sequence in transformers `generate`, bytes.
-
-    KV cache of prompt + completion tokens (`kv_bytes_per_token` at `a` bytes), the prefill's
-    transient activations of one layer (prompt_tokens x (3 I + 4 h) x a: SwiGLU's three MLP
-    tensors, the residual, norm, attention output), and one decoding step's fp32 logits with the
-    sampler's two working copies (3 x 4 V).
-    """
-    tokens = prompt_tokens + new_tokens
-    if arch.max_position_embeddings:
-        tokens = min(tokens, arch.max_position_embeddings)
-    kv = _blocks(tokens) * kv_bytes_per_token(arch, a)
-    prefill = prompt_tokens * (3 * arch.intermediate_size + 4 * arch.hidden_size) * a
-    return kv + prefill + 3 * 4 * arch.vocab_size
 
 
 def eval_chunk_prompts(
