@@ -39,7 +39,8 @@ EBPrior options beyond the paper (ALGORITHM.md section 3; each off by default)
     decay=gamma      exponentially weighted accumulators: a value observed at step s has weight
                      gamma ** (t - s) at step t, all values of one step share that weight, and
                      mean / var are the weighted mean and weighted population variance
-                     (sum w (x - mean)^2 / sum w). t counts calls of ebpo_advantages on the prior.
+                     (sum w (x - mean)^2 / sum w). t counts observations (calls of ebpo_advantages,
+                     or of EBPrior.observe) on the prior.
                      Update (Chan/Welford merge of a batch of k unit-weight values with mean m_b
                      and sum of squared deviations q_b into (w, mean, M2)):
                          w, M2 <- gamma^(t - t_last) * w, gamma^(t - t_last) * M2
@@ -59,6 +60,10 @@ Where the paper is silent (choices fixed here)
       With a mask, S uses the row's own n_b (the sampling variance of its mean is sigma2 / n_b);
       without a mask n_b = G and S is one scalar per step, as in the paper.
     - A step with no valid row returns zeros and updates nothing (the step counter still moves).
+    - Dynamic sampling (DAPO) trains on fewer groups than it scores: `EBPrior.observe` runs step 1
+      on every drawn group (W_r receives every reward, as ALGORITHM.md says) and
+      `ebpo_advantages(kept, prior, observe=False)` runs steps 2-6 on the kept ones. Observing only
+      the kept (mixed-reward) groups would bias tau2 low and S high.
     - The raw tau2 (paper) can make S exceed 1/2 on a finite sample (e.g. rows [1, 0] and [0, 1]
       give tau2 = 0 and S = 1): S <= 1/2 holds exactly iff the mean within-group population
       variance is <= (G - 1) tau2, and it holds in the large-sample limit for any rewards.
@@ -422,6 +427,21 @@ class EBPrior:
             tau2 = max(mu.var - within.mean * inv_n.mean, self.tau2_min)
         return r.mean, sigma2, tau2
 
+    def observe(
+        self,
+        rewards: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        keys: Sequence[Hashable] | None = None,
+    ) -> None:
+        """Step 1 alone: add rewards [B, G] (mask, keys as in `ebpo_advantages`) to the prior.
+
+        For a trainer that scores more groups than it trains on (dynamic sampling): observe every
+        drawn group, then `ebpo_advantages(kept, prior, observe=False)` reads the statistics.
+        One call is one step of the decay clock.
+        """
+        g = _groups(rewards, mask, "EBPrior.observe")
+        self._observe(g, None if keys is None else _key_ids(keys, g.R.shape[0], g.R.device))
+
     def _observe(self, g: _Groups, keys: _KeyIds | None) -> None:
         """Step 1 of the algorithm: add this step's rewards and group statistics."""
         self.step += 1
@@ -497,18 +517,21 @@ def ebpo_advantages(
     prior: EBPrior,
     mask: torch.Tensor | None = None,
     keys: Sequence[Hashable] | None = None,
+    observe: bool = True,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """EBPO advantages (ALGORITHM.md section 2, options of section 3). Updates `prior` in place.
 
     rewards [B, G] float, mask [B, G] bool (True = scorable), keys: one str/int per prompt.
-    Returns A [B, G] in the rewards' dtype and a dict of plain-float stats.
+    `observe=False` skips step 1: the caller has already given this step's rewards (a superset
+    of these rows) to `prior.observe`. Returns A [B, G] in the rewards' dtype and plain-float stats.
     """
     if not isinstance(prior, EBPrior):
         raise ValueError(f"ebpo_advantages: prior must be an EBPrior, got {type(prior).__name__}")
     g = _groups(rewards, mask, "ebpo_advantages")
     B = g.R.shape[0]
     kid = None if keys is None else _key_ids(keys, B, g.R.device)
-    prior._observe(g, kid)  # step 1
+    if observe:
+        prior._observe(g, kid)  # step 1
 
     # step 2: per-row (mu_glob, sigma2, tau2) from the row's key set (if it has min_count
     # observations) or the global one; row 0 of the table is the global set
@@ -560,11 +583,13 @@ def compute_advantages(
     mask: torch.Tensor | None = None,
     keys: Sequence[Hashable] | None = None,
     grpo_scale: str = "group",
+    observe: bool = True,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """One switch for the trainer and the integrations: name in ESTIMATORS -> (A [B, G], stats).
 
-    "ebpo" needs `prior` (updated in place) and uses `keys`; the others ignore prior and keys and
-    return stats = {}. `grpo_scale` is passed to grpo_advantages as `scale`.
+    "ebpo" needs `prior` (updated in place unless `observe=False`, see ebpo_advantages) and uses
+    `keys`; the others ignore prior, keys and observe and return stats = {}. `grpo_scale` is
+    passed to grpo_advantages as `scale`.
     """
     if name == "grpo":
         return grpo_advantages(rewards, scale=grpo_scale, mask=mask), {}
@@ -575,5 +600,5 @@ def compute_advantages(
     if name == "ebpo":
         if prior is None:
             raise ValueError("compute_advantages: name='ebpo' needs prior=EBPrior(...)")
-        return ebpo_advantages(rewards, prior, mask=mask, keys=keys)
+        return ebpo_advantages(rewards, prior, mask=mask, keys=keys, observe=observe)
     raise ValueError(f"compute_advantages: name must be one of {ESTIMATORS}, got {name!r}")

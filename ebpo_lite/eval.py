@@ -3,12 +3,8 @@
 Two entry points share one code path (`eval_examples`):
 - `python -m ebpo_lite.eval RUN_DIR_OR_MODEL --benchmark math500,aime24 --k 32 --out r.json`
   (see `main`); resumable through `<out>.partial.jsonl`.
-- `evaluate_policy(run)`, the periodic eval inside training: `eval/accuracy` (greedy, held-out
-  problems, the run's first reward), `eval/expected_accuracy` (tiny task: the exact probability
-  that one temperature-1 sample is right, no sampling noise), each also per type where the
-  problems carry labels (`eval/accuracy/topic=add`, `eval/accuracy/difficulty=2`, ...), and,
-  when `eval.benchmarks` is set, `eval/<bench>/pass@1`, `eval/<bench>/maj@k`,
-  `eval/<bench>/pass@k` with `eval.k` samples.
+- `ebpo_lite.train_eval.evaluate_policy(run)`, the periodic eval inside training (`eval/accuracy`,
+  `eval/expected_accuracy`, and `eval/<bench>/...` when `eval.benchmarks` is set).
 
 Metrics (per problem i with n = k samples of which c_i are correct, averaged over problems):
 - pass@1 = c_i / n: Pass@1 averaged over k samples, the paper's headline number.
@@ -33,10 +29,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import re
 import sys
-import time
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -45,13 +39,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ebpo_lite import cli
-from ebpo_lite.data import encode_prompt, is_arithmetic
+from ebpo_lite.data import encode_prompt
 from ebpo_lite.errors import UserError
 
 if TYPE_CHECKING:
     from ebpo_lite.config import Config, DataConfig
     from ebpo_lite.data import Example
-    from ebpo_lite.run import Run
 
 ARITHMETIC_EVAL_SIZE = 256  # the `arithmetic` benchmark: the tiny task's held-out problems
 MAX_STORED_ANSWER = 200  # characters of each extracted answer kept in the partial file
@@ -227,114 +220,6 @@ def eval_examples(
 def chunk_seed(seed: int, bench: str, start: int) -> int:
     """Sampling seed of the chunk of problems starting at `start` (stable across resumes)."""
     return (seed * 1_000_003 + zlib.crc32(bench.encode()) + start) % (2**31)
-
-
-# ----------------------------------------------------------------------------- in training
-
-
-def evaluate_policy(run: Run) -> dict[str, Any]:
-    from ebpo_lite.rollout.hf import HFRollout
-
-    cfg, policy = run.cfg, run.policy
-    examples = run.eval_examples[: cfg.eval.num_examples]
-    out: dict[str, Any] = {}
-    t0 = time.perf_counter()
-    sampler = HFRollout(cfg.rollout, policy)
-    max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
-    if examples:
-        prompts = [encode_prompt(policy.tokenizer, ex, cfg.data) for ex in examples]
-        roll = sampler.generate(
-            prompts,
-            1,
-            seed=cfg.train.seed,
-            temperature=cfg.eval.temperature,
-            max_new_tokens=max_new,
-        )
-        texts = policy.tokenizer.batch_decode(roll.completion_ids, skip_special_tokens=True)
-        name, fn = run.reward_fns[0]
-        scores = fn(texts, [ex.answer for ex in examples])
-        out.update(per_type_means("eval/accuracy", scores, examples))
-        if is_arithmetic(cfg.data):
-            exact = expected_accuracies(policy, prompts, [ex.answer for ex in examples])
-            out.update(per_type_means("eval/expected_accuracy", exact, examples))
-    if cfg.eval.benchmarks:
-        out.update(_benchmark_metrics(run, _eval_sampler(run, sampler, max_new), max_new))
-    if out:
-        out["time/eval_s"] = time.perf_counter() - t0
-    return out
-
-
-def _eval_sampler(run: Run, hf_sampler: Any, max_new: int) -> Any:
-    """The run's own vLLM sampler when its context fits the eval budget, else transformers."""
-    r = run.cfg.rollout
-    if r.backend == "vllm" and max_new <= r.max_new_tokens:
-        return run.backend
-    return hf_sampler
-
-
-def _benchmark_metrics(run: Run, sampler: Any, max_new: int) -> dict[str, float]:
-    """`eval/<bench>/<metric>` over the first `eval.num_examples` problems of each benchmark."""
-    cfg, tok = run.cfg, run.policy.tokenizer
-    k, out = cfg.eval.k, {}
-    per_bench = {}
-    for bench in cfg.eval.benchmarks:
-        examples = benchmark_examples(bench, cfg.data)[: cfg.eval.num_examples or None]
-        prompts = [encode_prompt(tok, ex, cfg.data, raw=bench == "arithmetic") for ex in examples]
-        records = []
-        step = 64
-        for s in range(0, len(examples), step):
-            records += eval_examples(
-                sampler,
-                tok,
-                bench,
-                examples[s : s + step],
-                list(range(s, s + len(examples[s : s + step]))),
-                prompts[s : s + step],
-                k,
-                chunk_seed(cfg.train.seed, bench, s),
-                cfg.eval.temperature,
-                max_new,
-                cfg.reward.timeout_s,
-            )
-        per_bench[bench] = summarize(records, k)
-        for key in ("pass@1", f"maj@{k}", f"pass@{k}"):
-            out[f"eval/{bench}/{key}"] = per_bench[bench][key]
-    if len(per_bench) > 1:
-        for key, v in mean_over_benchmarks(per_bench).items():
-            if key in ("pass@1", f"maj@{k}", f"pass@{k}"):
-                out[f"eval/mean/{key}"] = v
-    return out
-
-
-@torch.no_grad()
-def expected_accuracies(policy, prompts: list[list[int]], answers: list[str]) -> list[float]:
-    """Per problem, P(answer + EOS | prompt) under the policy at temperature 1."""
-    tok = policy.tokenizer
-    targets = [tok.encode(a, add_special_tokens=False) + [tok.eos_token_id] for a in answers]
-    return [math.exp(sum(lp)) for lp in policy.token_logprobs(prompts, targets)]
-
-
-def per_type_means(
-    key: str, values: Sequence[float | None], examples: Sequence[Example]
-) -> dict[str, float]:
-    """`key` (mean over all), `key/topic=T` and `key/difficulty=D` (means per type).
-
-    None values (unscorable) are left out of every mean; a type with none left is not reported.
-    """
-    groups: dict[str, list[float]] = {key: []}
-    for v, ex in zip(values, examples):
-        if v is None:
-            continue
-        names = [key]
-        if ex.topic is not None:
-            names.append(f"{key}/topic={ex.topic}")
-        if ex.difficulty is not None:
-            names.append(f"{key}/difficulty={ex.difficulty:g}")
-        for name in names:
-            groups.setdefault(name, []).append(float(v))
-    out = {name: sum(vs) / len(vs) for name, vs in sorted(groups.items()) if vs}
-    out.setdefault(key, float("nan"))
-    return out
 
 
 # ----------------------------------------------------------------------------- CLI: loading

@@ -31,7 +31,8 @@ T tokens in a micro-batch.
 - Logits: 12 * V bytes per position whose logits are computed: the fp32 copy that logsumexp keeps
   for backward, then in backward its softmax-weighted gradient and the gather's scattered
   gradient, all [positions, V] fp32 (the forward's entropy under no_grad peaks alike).
-- KV cache: 2 * L * kv * (KV dtype bytes) per token.
+- KV cache: 2 * L * kv * (KV dtype bytes) per token; `eval_sequence_bytes` adds what one
+  sequence of transformers `generate` holds besides (the eval's chunk size comes from it).
 """
 
 from __future__ import annotations
@@ -228,6 +229,19 @@ def extra_trainable_count(arch: Arch, substrings: list[str]) -> int:
 
 def kv_bytes_per_token(arch: Arch, kv_bytes: int) -> int:
     return 2 * arch.num_hidden_layers * arch.kv_dim * kv_bytes
+
+
+def eval_sequence_bytes(arch: Arch, a: int, prompt_tokens: int, new_tokens: int) -> int:
+    """Working memory of one sequence in transformers `generate`, bytes: the KV cache of prompt +
+    completion tokens (rounded up to 16-token blocks), the prefill's transient activations of one
+    layer (prompt_tokens x (3 I + 4 h) x a: SwiGLU's three MLP tensors, residual, norm, attention
+    output) and one decoding step's fp32 logits with the sampler's two working copies (3 x 4 V)."""
+    tokens = prompt_tokens + new_tokens
+    if arch.max_position_embeddings:
+        tokens = min(tokens, arch.max_position_embeddings)
+    kv = math.ceil(tokens / 16) * 16 * kv_bytes_per_token(arch, a)
+    prefill = prompt_tokens * (3 * arch.intermediate_size + 4 * arch.hidden_size) * a
+    return kv + prefill + 3 * 4 * arch.vocab_size
 
 
 # ----------------------------------------------------------------------------- activation math

@@ -28,7 +28,9 @@ The per-model arithmetic (weights, NF4, LoRA, activations, logits, KV cache) is 
 - overheads: a CUDA context per process and GPU, FRAGMENTATION x the trainer's allocations.
 `total_gb` sums the peaks of all GPUs with every sequence in vLLM's KV cache at once;
 `min_total_gb` with one group; `per_device_gb` with the recipe's gpu_memory_utilization on the
-named GPU, which decides `fits`. Not counted: the KL reference forward (no grad, below the
+named GPU, which decides `fits`. `eval_chunk_prompts`: prompts per transformers `generate` call in
+the held-out eval (eval.k samples each) that fit beside the trainer (`eval_sequence_bytes`; at run
+time `eval_chunk_size` sizes it from the memory free then; on CPU a fixed EVAL_CHUNK_CPU). Not counted: the KL reference forward (no grad, below the
 training peak), data, Python objects. The constants are estimates: calibrate them with
 scripts/gpu_smoke.py, which records measured peaks next to these numbers.
 """
@@ -52,7 +54,9 @@ from ebpo_lite.memory import (
     Arch,
     activation_bytes,
     arch_for,
+    arch_from_config,
     base_weight_bytes,
+    eval_sequence_bytes,
     extra_trainable_count,
     kv_bytes_per_token,
     logits_bytes,
@@ -70,6 +74,8 @@ UTIL_MARGIN = 0.05  # recommended gpu_memory_utilization: vLLM's need * (1 + mar
 SAFETY_GIB = 0.5  # left free on a GPU when recommending settings
 KV_BLOCK_TOKENS = 16
 HF_PROMPTS_PER_CALL = 256  # rollout/hf.py's micro_batch of prompts per generate call
+EVAL_CHUNK_CPU = 64  # prompts per eval generate call on CPU, where memory is not the limit
+EVAL_CHUNK_MAX = 256  # never more per call on a GPU either (padding waste, latency)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 # name -> (label, GiB as nvidia-smi reports the card's memory, approximately)
@@ -391,8 +397,53 @@ def plan(cfg: Any, gpu_gb: float, gpu_name: str | None = None) -> dict[str, Any]
             "logits_bytes_per_value": LOGITS_BYTES_PER_VALUE,
         },
     }
+    p["eval_chunk_prompts"] = _eval_chunk(cfg, c, gpu_gb, reserved)
     p["advice"] = [] if p["fits"] else _advice(cfg, c, p, gpu_gb, vllm_ok)
     return p
+
+
+def _eval_chunk(cfg: Any, c: dict[str, Any], gpu_gb: float, reserved: float) -> int:
+    """Prompts per transformers eval call (eval.k samples each) in the room the trainer's
+    weights leave, vLLM asleep (or holding its reservation) when colocated."""
+    lay = c["layout"]
+    v = (VLLM_SLEEP_RESIDUAL_GIB if lay.sleep else reserved) if lay.colocated else 0.0
+    room = gpu_gb - SAFETY_GIB - lay.contexts() - c["static"] * (1 + FRAGMENTATION) - v
+    new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
+    budget = max(room, 0.0) * GIB / (1 + FRAGMENTATION)
+    return eval_chunk_prompts(
+        c["arch"], c["a"], cfg.data.max_prompt_tokens, new, cfg.eval.k, budget
+    )
+
+
+# ----------------------------------------------------------------------------- eval chunks
+
+
+def eval_chunk_prompts(
+    arch: Arch, a: int, prompt_tokens: int, new_tokens: int, k: int, budget_bytes: float
+) -> int:
+    """Prompts per eval `generate` call (k sequences each) that fit `budget_bytes`: in
+    [1, EVAL_CHUNK_MAX]; 1 even when one prompt does not fit (the caller's OOM says so)."""
+    per_prompt = k * eval_sequence_bytes(arch, a, prompt_tokens, new_tokens)
+    return max(1, min(EVAL_CHUNK_MAX, int(budget_bytes // per_prompt)))
+
+
+def eval_chunk_size(cfg: Any, policy: Any, k: int, prompt_tokens: int, new_tokens: int) -> int:
+    """`eval_chunk_prompts` for the live policy: on CUDA the memory free now (plus what torch's
+    allocator caches unused), less SAFETY_GIB and FRAGMENTATION; EVAL_CHUNK_CPU elsewhere."""
+    import torch
+
+    from ebpo_lite.device import cuda_memory_gib, resolve_dtype
+
+    dev = policy.device
+    mem = cuda_memory_gib(dev)
+    if mem is None:
+        return EVAL_CHUNK_CPU
+    free, _, reserved = mem
+    cached = reserved - torch.cuda.memory_allocated(dev) / GIB
+    budget = (free + cached - SAFETY_GIB) * GIB / (1 + FRAGMENTATION)
+    arch = arch_from_config(policy.model.config.to_dict(), cfg.model.name, "model config")
+    a = resolve_dtype(cfg.model.dtype, dev).itemsize
+    return eval_chunk_prompts(arch, a, prompt_tokens, new_tokens, k, budget)
 
 
 # ----------------------------------------------------------------------------- CLI, preflight
@@ -470,6 +521,10 @@ def format_table(p: dict[str, Any]) -> str:
         )
     rec_mb = p["recommended_micro_batch_size"] or "none fits"
     rec_util = p["recommended_gpu_memory_utilization"]
+    lines.append(
+        f"transformers eval: {p['eval_chunk_prompts']} prompts per generate call "
+        "(through vLLM when rollout.backend=vllm)"
+    )
     rec = f"recommended: train.micro_batch_size={rec_mb}"
     if p["backend"] != "hf":
         rec += f", rollout.gpu_memory_utilization={rec_util or 'none fits'}"

@@ -24,6 +24,21 @@ from ebpo_lite.rollout import Rollout, RolloutBackend, make_backend
 
 
 @dataclass
+class Sample:
+    """One step's groups: every drawn one (observed by the prior and the curriculum) and the kept
+    ones (trained on). Without dynamic sampling the two are the same."""
+
+    idx: list[int]  # kept prompts' dataset indices
+    rollout: Rollout  # the kept groups' completions, prompt-major
+    rewards: torch.Tensor  # [B, G] kept
+    mask: torch.Tensor  # [B, G] kept, True = scorable
+    drawn_idx: list[int]  # every drawn prompt, all draws in order
+    drawn_rewards: torch.Tensor  # [B_drawn, G]
+    drawn_mask: torch.Tensor  # [B_drawn, G]
+    extra_draws: int
+
+
+@dataclass
 class Run:
     cfg: config.Config
     policy: Policy
@@ -39,28 +54,40 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LRScheduler
 
     # ------------------------------------------------------------------ sampling and scoring
-    def sample_and_score(self, step: int):
-        """Prompts from the curriculum, G completions each, rewards [B, G] and mask [B, G].
+    def sample_and_score(self, step: int) -> Sample:
+        """Prompts from the curriculum, G completions each, rewards and mask (see `Sample`).
 
         With `curriculum.dynamic_sampling`, groups whose rewards are all equal are dropped and
-        up to `max_extra_draws` more batches are drawn to refill (DAPO); the count is returned.
+        up to `max_extra_draws` more batches are drawn to refill (DAPO). The curriculum learns
+        from every drawn group as soon as it is scored, so a redraw already knows which prompts
+        were dropped; unscorable completions (reward None) are not counted as trials.
         """
         cfg = self.cfg
         B, G = cfg.train.prompts_per_step, cfg.rollout.group_size
         idx, roll, r, m = self._draw(B, step, 0)
+        self.sampler.update(idx, curriculum_rewards(r, m))
+        drawn = (idx, r, m)
         extra = 0
         if cfg.curriculum.dynamic_sampling:
             keep = curriculum.informative_groups(r, m)  # [B]
             while int(keep.sum()) < B and extra < cfg.curriculum.max_extra_draws:
                 extra += 1
                 i2, roll2, r2, m2 = self._draw(B, step, extra)
+                self.sampler.update(i2, curriculum_rewards(r2, m2))
                 idx, roll = idx + i2, _concat(roll, roll2)
                 r, m = torch.cat([r, r2]), torch.cat([m, m2])
                 keep = torch.cat([keep, curriculum.informative_groups(r2, m2)])
+            drawn = (idx, r, m)
             chosen = keep.nonzero().flatten()[:B].tolist() or list(range(B))
             idx = [idx[i] for i in chosen]
             roll, r, m = _select(roll, chosen, G), r[chosen], m[chosen]
-        return idx, roll, r, m, extra
+        return Sample(idx, roll, r, m, *drawn, extra)
+
+    def observe(self, sample: Sample) -> None:
+        """The EB prior's step 1 with every drawn group (ALGORITHM.md: W_r receives every reward)."""
+        if self.prior is not None:
+            keys = self.prior_keys(sample.drawn_idx)
+            self.prior.observe(sample.drawn_rewards, sample.drawn_mask, keys)
 
     def _draw(self, n: int, step: int, draw: int):
         idx = self.sampler.next_batch(n)
@@ -113,6 +140,7 @@ class Run:
         return [getattr(ex, key, None) if hasattr(ex, key) else ex.meta.get(key) for ex in exs]
 
     def advantages(self, r: torch.Tensor, m: torch.Tensor, keys) -> tuple[torch.Tensor, dict]:
+        """Advantages [B, G] of the kept groups; the prior has observed the step (`observe`)."""
         return compute_advantages(
             self.cfg.algo.estimator,
             r,
@@ -120,6 +148,7 @@ class Run:
             mask=m,
             keys=keys,
             grpo_scale=self.cfg.algo.grpo_scale,
+            observe=False,
         )
 
     # ------------------------------------------------------------------ optimisation
@@ -378,6 +407,12 @@ def _pad(rows: list[list[float]], width: int) -> torch.Tensor:
     for i, r in enumerate(rows):
         out[i, : len(r)] = torch.tensor(r[:width])
     return out
+
+
+def curriculum_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Rewards [B, G] for `sampler.update`: NaN where unscorable, which samplers skip (a reward
+    of None is no evidence of failure)."""
+    return torch.where(mask, rewards, torch.full_like(rewards, math.nan))  # [B, G]
 
 
 def _concat(a: Rollout, b: Rollout) -> Rollout:

@@ -22,22 +22,25 @@ import torch
 
 from ebpo_lite import checkpoint, cli, config
 from ebpo_lite.advantages import frac_zero_std_groups
-from ebpo_lite.eval import evaluate_policy
 from ebpo_lite.metrics import Metrics
 from ebpo_lite.run import Run, build_run
+from ebpo_lite.train_eval import evaluate_policy
 
 
 def train_step(run: Run, step: int) -> dict[str, Any]:
     """One RL step, top to bottom. Returns the step's metrics."""
     policy, G = run.policy, run.cfg.rollout.group_size
-    # 1. sample prompts and G completions each (prompt-major rows: i * G + g)
+    # 1. sample prompts and G completions each (prompt-major rows: i * G + g); the curriculum
+    #    sees every drawn group, dynamic sampling keeps the informative ones
     t0 = time.perf_counter()
-    idx, rollout, rewards, mask, extra_draws = run.sample_and_score(step)  # rewards/mask [B, G]
+    run.backend.wake()  # the sampler's memory back, once for all draws
+    sample = run.sample_and_score(step)
+    rollout, rewards, mask = sample.rollout, sample.rewards, sample.mask  # rewards/mask [B, G]
+    run.backend.sleep()  # and freed for training
     t_rollout = time.perf_counter() - t0
-    # 2. advantages, one per completion
-    keys = run.prior_keys(idx)
-    adv, adv_stats = run.advantages(rewards, mask, keys)  # [B, G]
-    run.sampler.update(idx, rewards)
+    # 2. the EB prior observes every drawn group, then advantages for the kept ones
+    run.observe(sample)
+    adv, adv_stats = run.advantages(rewards, mask, run.prior_keys(sample.idx))  # [B, G]
     # 3. loss and gradients over micro-batches, num_iterations passes over the rollout
     t1 = time.perf_counter()
     prompts = [rollout.prompt_ids[i // G] for i in range(len(rollout.completion_ids))]
@@ -47,16 +50,20 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     run.backend.sync(policy, version=step)
     t_sync = time.perf_counter() - t1 - t_train
     # 5. metrics
+    #    (rewards over every drawn group: the kept ones are selected for mixed rewards)
     lengths = torch.tensor([len(c) for c in rollout.completion_ids], dtype=torch.float)
-    valid = rewards[mask]
+    drawn, drawn_mask = sample.drawn_rewards, sample.drawn_mask  # [B_drawn, G]
+    valid = drawn[drawn_mask]
     return {
         "train/reward_mean": valid.mean().item() if valid.numel() else float("nan"),
         "train/reward_std": valid.std().item() if valid.numel() > 1 else 0.0,
         "train/response_len": lengths.mean().item(),
         "train/truncated_frac": 1.0 - sum(rollout.finished) / max(len(rollout.finished), 1),
-        "train/frac_zero_std_groups": frac_zero_std_groups(rewards, mask),
-        "train/unscored_frac": 1.0 - mask.float().mean().item(),
-        "train/extra_draws": extra_draws,
+        "train/frac_zero_std_groups": frac_zero_std_groups(drawn, drawn_mask),
+        "train/unscored_frac": 1.0 - drawn_mask.float().mean().item(),
+        "train/extra_draws": sample.extra_draws,
+        "train/groups_drawn": len(sample.drawn_idx),
+        "train/groups_kept": len(sample.idx),
         "train/lr": run.scheduler.get_last_lr()[0],
         **loss_stats,
         **{f"adv/{k}": v for k, v in adv_stats.items()},
@@ -84,8 +91,10 @@ def train(cfg: config.Config) -> dict[str, Any]:
     stop = _StopFlag()
     t_start = time.perf_counter()
     first_eval = last_eval = None
+    eval_s = 0.0  # all evals of this invocation
     if start == 0:
         first_eval = evaluate_policy(run)
+        eval_s += first_eval.get("time/eval_s", 0.0)
         metrics.log(0, first_eval)
     step, steps_here = start, 0
     try:
@@ -103,6 +112,7 @@ def train(cfg: config.Config) -> dict[str, Any]:
             final = step == cfg.train.steps
             if (cfg.eval.every and step % cfg.eval.every == 0) or final:
                 last_eval = evaluate_policy(run)
+                eval_s += last_eval.get("time/eval_s", 0.0)
                 metrics.log(step, last_eval)
             interrupted = stop.raised or (
                 cfg.train.stop_after and steps_here >= cfg.train.stop_after
@@ -128,14 +138,16 @@ def train(cfg: config.Config) -> dict[str, Any]:
         stop.restore()
         metrics.close()
         run.backend.close()
-    summary = _summary(cfg, run, first_eval, last_eval, step, time.perf_counter() - t_start)
+    seconds = time.perf_counter() - t_start
+    summary = _summary(cfg, run, first_eval, last_eval, step, seconds, eval_s)
     return summary
 
 
-def _summary(cfg, run, first_eval, last_eval, step, seconds) -> dict[str, Any]:
+def _summary(cfg, run, first_eval, last_eval, step, seconds, eval_s) -> dict[str, Any]:
     summary: dict[str, Any] = {
         "steps_done": step,
         "seconds": round(seconds, 1),
+        "eval_seconds": round(eval_s, 1),
         "output_dir": str(cfg.output_dir),
     }
     for name, ev in (("before", first_eval), ("after", last_eval)):
@@ -143,7 +155,10 @@ def _summary(cfg, run, first_eval, last_eval, step, seconds) -> dict[str, Any]:
             summary.update({f"{name}/{k.split('/', 1)[1]}": v for k, v in ev.items()})
     ckpt = checkpoint.latest(cfg.output_dir)
     summary["checkpoint"] = str(ckpt) if ckpt else None
-    lines = [f"done: {step} steps in {seconds:.0f}s", *learned_lines(first_eval, last_eval)]
+    lines = [
+        f"done: {step} steps in {seconds:.0f}s (eval {eval_s:.0f}s)",
+        *learned_lines(first_eval, last_eval),
+    ]
     lines.append(
         f"run: {cfg.output_dir} (metrics.jsonl, checkpoints/{Path(summary['checkpoint']).name if ckpt else ''})"
     )

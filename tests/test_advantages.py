@@ -623,3 +623,29 @@ def test_other_errors():
     ]:
         with pytest.raises(ValueError, match=f"EBPrior.{field}"):
             EBPrior(**kwargs)
+
+
+def test_observe_every_drawn_group_then_advantages_for_the_kept():
+    """Dynamic sampling: step 1 on all drawn rows, steps 2-6 on the kept ones (ALGORITHM.md 2)."""
+    drawn = t([[1, 0, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]])  # rows 1, 2 dropped
+    kept = drawn[[0, 3]]
+    for opts in ({}, {"decay": 0.9}, {"tau2": "moments", "sigma2": "within"}):
+        split, whole = EBPrior(**opts), EBPrior(**opts)
+        for _ in range(2):  # two steps: the decay clock moves once per observe
+            split.observe(drawn, keys=["a", "b", "a", "b"])
+            A, s = ebpo_advantages(kept, split, keys=["a", "b"], observe=False)
+            ebpo_advantages(drawn, whole, keys=["a", "b", "a", "b"])
+        assert split.state_dict() == whole.state_dict()
+        assert s["groups_seen"] == 8 and split.step == 2
+        # A of the kept rows is the paper's formula with the all-drawn statistics
+        mu, sigma2, tau2 = whole.estimates()
+        S = (sigma2 / 4) / (sigma2 / 4 + tau2)
+        raw = kept - ((1 - S) * kept.mean(1, keepdim=True) + S * mu)
+        ref = (raw - raw.mean()) / (raw.std(unbiased=False) + 1e-6)
+        assert torch.allclose(A, ref, atol=1e-9) and s["shrinkage"] == pytest.approx(S)
+    # one call equals observe + observe=False on the same rows
+    p1, p2 = EBPrior(), EBPrior()
+    A1, s1 = ebpo_advantages(drawn, p1)
+    p2.observe(drawn)
+    A2, s2 = compute_advantages("ebpo", drawn, prior=p2, observe=False)
+    assert torch.equal(A1, A2) and s1 == s2

@@ -152,3 +152,31 @@ def test_in_training_benchmark_eval(tmp_path):
     assert [r["step"] for r in evals] == [0, 1]
     assert all({"eval/arithmetic/maj@2", "eval/arithmetic/pass@2"} <= r.keys() for r in evals)
     assert all(0 <= r["eval/arithmetic/pass@1"] <= r["eval/arithmetic/pass@2"] for r in evals)
+
+
+def test_in_training_eval_is_chunked_and_greedy_does_not_depend_on_the_chunks(tmp_path):
+    """The transformers eval takes the planner's chunk size (fixed on CPU) and greedy decoding
+    gives the same completions in chunks of 3 prompts as in one call."""
+    from ebpo_lite import plan
+    from ebpo_lite.data import encode_prompt
+    from ebpo_lite.rollout.hf import HFRollout
+    from ebpo_lite.run import build_run
+    from ebpo_lite.train_eval import eval_sampler, evaluate_policy
+
+    run = build_run(config.load(TINY_RECIPE, fast_overrides(tmp_path / "run")))
+    cfg, policy = run.cfg, run.policy
+    prompts = [encode_prompt(policy.tokenizer, ex, cfg.data) for ex in run.eval_examples]
+    max_new = cfg.rollout.max_new_tokens
+    sampler = eval_sampler(run, prompts, 1, max_new)
+    assert isinstance(sampler, HFRollout) and sampler.micro_batch == plan.EVAL_CHUNK_CPU
+    assert len(prompts) == 16
+    one = HFRollout(cfg.rollout, policy, micro_batch=len(prompts))
+    chunked = HFRollout(cfg.rollout, policy, micro_batch=3)
+    kw = dict(seed=0, temperature=0.0, max_new_tokens=max_new)
+    a, b = one.generate(prompts, 1, **kw), chunked.generate(prompts, 1, **kw)
+    assert a.completion_ids == b.completion_ids and a.finished == b.finished
+    texts = policy.tokenizer.batch_decode(a.completion_ids, skip_special_tokens=True)
+    right = [t.strip() == ex.answer for t, ex in zip(texts, run.eval_examples)]
+    ev = evaluate_policy(run)
+    assert ev["eval/accuracy"] == pytest.approx(sum(right) / len(right))
+    assert ev["time/eval_s"] > 0 and 0 < ev["eval/expected_accuracy"] < 1

@@ -178,6 +178,27 @@ def test_kv_cache_bytes_per_token():
     assert kv_bytes_per_token(arch_for("Qwen/Qwen3-0.6B"), 2) == 2 * 28 * 8 * 128 * 2
 
 
+def test_eval_chunk_for_qwen3_8b_at_the_flagship_lengths():
+    """256 eval prompts x 768 tokens of bf16 KV cache do not fit a 24 GiB card: chunk them."""
+    arch = arch_for("Qwen/Qwen3-8B")
+    kv = 768 * 147_456  # 256 prompt + 512 new tokens (a multiple of the 16-token block)
+    prefill = 256 * (3 * 12_288 + 4 * 4_096) * 2  # one layer's MLP / residual tensors
+    per_seq = kv + prefill + 3 * 4 * 151_936
+    assert plan.eval_sequence_bytes(arch, 2, 256, 512) == per_seq
+    assert 256 * kv / GIB == pytest.approx(27.0)  # all at once: more than the whole card
+    budget = 12 * GIB
+    n = plan.eval_chunk_prompts(arch, 2, 256, 512, 1, budget)
+    assert n * per_seq <= budget < (n + 1) * per_seq
+    assert plan.eval_chunk_prompts(arch, 2, 256, 512, 4, budget) == budget // (4 * per_seq)
+    assert plan.eval_chunk_prompts(arch, 2, 256, 512, 1, 1e15) == plan.EVAL_CHUNK_MAX
+    assert plan.eval_chunk_prompts(arch, 2, 256, 512, 1, 0) == 1
+    # the recipe on 24 GiB: room = 24 - 0.5 safety - 0.5 context - 1.1 x static - 0.5 asleep vLLM
+    p = plan.plan(_load("qwen3_8b_lora"), 24.0)
+    room = (24 - 0.5 - 0.5 - 1.1 * p["trainer_static_gb"] - 0.5) / 1.1
+    assert p["eval_chunk_prompts"] == int(room * GIB // per_seq) < 256
+    assert "prompts per generate call" in plan.format_table(p)
+
+
 # ----------------------------------------------------------------------------- activations
 
 

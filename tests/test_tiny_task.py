@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from ebpo_lite.data import Example, arithmetic_examples, column_arithmetic
-from ebpo_lite.eval import per_type_means
 from ebpo_lite.train import learned_lines
+from ebpo_lite.train_eval import per_type_means
 
 
 @pytest.mark.parametrize("topic", ["add", "sub", "mul"])

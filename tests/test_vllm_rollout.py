@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("vllm")
 
 from ebpo_lite import config  # noqa: E402
-from ebpo_lite.data import arithmetic_examples  # noqa: E402
+from ebpo_lite.data import arithmetic_examples, encode_prompt  # noqa: E402
 from ebpo_lite.errors import UserError  # noqa: E402
 from ebpo_lite.policy import Policy  # noqa: E402
 from ebpo_lite.rollout.vllm import VLLMRollout  # noqa: E402
@@ -265,3 +265,61 @@ def test_vllm_backend_learns_like_the_transformers_backend(tmp_path):
     print(f"expected-accuracy gain over 80 steps: {gains}")
     assert gains["hf"] > 0.01 and gains["vllm"] > 0.01
     assert gains["vllm"] > 0.5 * gains["hf"]
+
+
+def test_in_training_eval_goes_through_vllm_and_phases_wake_once(tmp_path):
+    """Greedy eval through the colocated engine equals transformers' on the fp32 tiny model, with
+    the current adapter; the engine is woken once per phase, not once per generate call."""
+    from ebpo_lite.rewards import arithmetic_answer
+    from ebpo_lite.rollout.hf import HFRollout
+    from ebpo_lite.run import build_run
+    from ebpo_lite.train import train_step
+    from ebpo_lite.train_eval import eval_sampler, evaluate_policy
+    from tests.conftest import fast_overrides
+
+    n_eval = 64
+    extra = {"rollout.backend": "vllm", "model.trainable_extra": "[]", "train.threads": 1,
+             "rollout.kv_cache_gb": 0.25, "data.num_eval": n_eval, "eval.num_examples": n_eval,
+             "curriculum.dynamic_sampling": "true", "curriculum.max_extra_draws": 2}  # fmt: skip
+    run = build_run(config.load(TINY_RECIPE, fast_overrides(tmp_path / "run", **extra)))
+    backend, policy = run.backend, run.policy
+    try:
+        prompts = [encode_prompt(policy.tokenizer, ex, run.cfg.data) for ex in run.eval_examples]
+        assert eval_sampler(run, prompts, 1, run.cfg.rollout.max_new_tokens) is backend
+        kw = dict(seed=0, temperature=0.0, max_new_tokens=run.cfg.rollout.max_new_tokens)
+        golds = [ex.answer for ex in run.eval_examples]
+        for version, seed in ((0, None), (1, 5)):  # the warmed-up model, then a new adapter
+            if seed is not None:
+                _perturb(policy, seed=seed)
+                backend.sync(policy, version)
+            ev = evaluate_policy(run)
+            v = backend.generate(prompts, 1, **kw).completion_ids
+            h = HFRollout(run.cfg.rollout, policy).generate(prompts, 1, **kw).completion_ids
+            same = sum(a == b for a, b in zip(v, h))
+            texts = policy.tokenizer.batch_decode(h, skip_special_tokens=True)
+            acc_hf = sum(arithmetic_answer(texts, golds)) / n_eval
+            print(f"greedy, adapter v{version}: {same}/{n_eval} identical completions; accuracy "
+                  f"vLLM {ev['eval/accuracy']:.4f}, transformers {acc_hf:.4f}")  # fmt: skip
+            assert same >= n_eval - 2  # fp32: logits agree to ~1e-5, only a near-tie can flip
+            assert abs(ev["eval/accuracy"] - acc_hf) <= (n_eval - same) / n_eval
+        with policy.ref_context():  # the eval used the new adapter: without it answers differ
+            base = HFRollout(run.cfg.rollout, policy).generate(prompts, 1, **kw).completion_ids
+        assert base != h
+
+        def reward(completions, answer, **kw):  # odd answers: all-zero groups, dropped
+            right = arithmetic_answer(completions, answer)
+            return [0.0 if int(a) % 2 else r for a, r in zip(answer, right)]
+
+        run.reward_fns = [("test", reward)]
+        assert (backend.sleep_calls, backend.wake_calls) == (0, 0)
+        first = train_step(run, 1)  # awake: rollout draws, then one sleep before training
+        assert first["train/extra_draws"] >= 1  # several generate calls in this phase
+        assert (backend.sleep_calls, backend.wake_calls) == (1, 0) and backend.asleep
+        evaluate_policy(run)  # one wake for the eval phase
+        assert (backend.sleep_calls, backend.wake_calls) == (1, 1) and not backend.asleep
+        train_step(run, 2)  # already awake for the rollout: no wake; one sleep
+        assert (backend.sleep_calls, backend.wake_calls) == (2, 1)
+        train_step(run, 3)  # asleep after step 2: one wake for the rollout, one sleep
+        assert (backend.sleep_calls, backend.wake_calls) == (3, 2)
+    finally:
+        backend.close()

@@ -51,6 +51,16 @@ class RolloutBackend(Protocol):
         """Make the next `generate` use the policy's current weights (`version` increases)."""
         ...
 
+    def wake(self) -> None:
+        """Start a sampling phase (all rollout draws of a step, or all eval chunks): the engine's
+        memory back if it was asleep. `generate` wakes it too, so callers outside the loop
+        need neither call."""
+        ...
+
+    def sleep(self) -> None:
+        """End a sampling phase before training: free the engine's memory until `wake`."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -98,5 +98,11 @@ class HFRollout:
     def sync(self, policy: Policy, version: int) -> None:
         """Nothing to push: this sampler is the trainer's model."""
 
+    def wake(self) -> None:
+        """Nothing to wake: generation uses the trainer's own memory."""
+
+    def sleep(self) -> None:
+        """Nothing to free (the KV cache of each `generate` call is gone when it returns)."""
+
     def close(self) -> None:
         """Nothing to free."""

@@ -199,6 +199,12 @@ class UnslothRollout:
         if old is not None:
             shutil.rmtree(old.lora_path, ignore_errors=True)
 
+    def wake(self) -> None:
+        """Nothing to do: Unsloth manages its engine's memory itself."""
+
+    def sleep(self) -> None:
+        """Nothing to do: Unsloth manages its engine's memory itself."""
+
     def close(self) -> None:
         """Delete the adapter folders; the engine belongs to the policy's model."""
         shutil.rmtree(self.workdir, ignore_errors=True)

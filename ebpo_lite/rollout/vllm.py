@@ -24,9 +24,12 @@ Process and devices:
 - Two-GPU layout: `rollout.device: cuda:1` (with the trainer on `cuda:0`) starts the engine in
   its own process (V1 multiprocessing) with `CUDA_VISIBLE_DEVICES` naming that one GPU for the
   child; vLLM has no device argument and an in-process engine always takes the current GPU.
-- `rollout.sleep_between_phases` puts the engine to sleep (level 1: weights to host memory,
-  KV cache freed) after each `generate` and wakes it before the next one, on GPU only: CPU
-  vLLM has no sleep mode.
+- `rollout.sleep_between_phases`: the loop calls `sleep()` before training (level 1: weights to
+  host memory, KV cache freed) and `wake()` once before a sampling phase (all rollout draws of a
+  step, all eval chunks); `generate` and a base reload wake it if needed, never put it back to
+  sleep. The engine calls happen on GPU only (CPU vLLM has no sleep mode), but the phase
+  bookkeeping (`asleep`, `sleep_calls`, `wake_calls`) runs everywhere, so CPU tests see the
+  pattern a GPU would.
 
 Log-probs: each sampled token's log-prob under the raw model (vLLM's `raw_logprobs`, before
 temperature / top-p / top-k / min-p), the same distribution the trainer scores, so the mismatch metrics
@@ -241,7 +244,9 @@ class VLLMRollout:
         r = cfg.rollout
         self.device = _rollout_device(r.device, policy.device)
         self.on_gpu = self.device.type == "cuda"
-        self.sleeps = self.on_gpu and r.sleep_between_phases
+        self.sleeps = self.on_gpu and r.sleep_between_phases  # engine calls (GPU only)
+        self.sleep_between_phases = r.sleep_between_phases
+        self.sleep_calls = self.wake_calls = 0  # phase transitions, counted on every device
         self.max_model_len = derive_max_model_len(
             cfg.data.max_prompt_tokens,
             r.max_new_tokens,
@@ -252,7 +257,7 @@ class VLLMRollout:
         self.workdir = Path(tempfile.mkdtemp(prefix="ebpo_lite_vllm_", dir=adapter_root()))
         self.lora_request: Any = None  # vllm LoRARequest of the current policy version
         self.used_ids: list[int] = []  # every LoRA int id handed to the engine, in order
-        self._asleep = False
+        self.asleep = False
         t0 = time.perf_counter()
         try:
             self.llm = self._start_engine(policy)
@@ -366,10 +371,9 @@ class VLLMRollout:
             self.policy.tokenizer.eos_token_id,
         )
         inputs = [vllm.TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
-        self._wake()
+        self.wake()  # a no-op inside a phase the loop has woken already
         with preserved_rng():
             outs = self.llm.generate(inputs, params, lora_request=self.lora_request, use_tqdm=False)
-        self._maybe_sleep()
         return outputs_to_rollout(prompt_ids, outs)
 
     def sync(self, policy: Policy, version: int) -> None:
@@ -378,6 +382,22 @@ class VLLMRollout:
         if policy.trains_base:
             self._reload_base(policy, version)
         self._push_adapter(policy, version)
+
+    def wake(self) -> None:
+        """Start a sampling phase: weights and KV cache back (on GPU) if asleep."""
+        if self.asleep:
+            if self.sleeps:
+                self.llm.wake_up()
+            self.asleep = False
+            self.wake_calls += 1
+
+    def sleep(self) -> None:
+        """Before training: level-1 sleep (on GPU) when `rollout.sleep_between_phases`."""
+        if self.sleep_between_phases and not self.asleep:
+            if self.sleeps:
+                self.llm.sleep(level=1)
+            self.asleep = True
+            self.sleep_calls += 1
 
     def close(self) -> None:
         """Shut the engine down, free its memory and delete the exported folders."""
@@ -414,23 +434,13 @@ class VLLMRollout:
     def _reload_base(self, policy: Policy, version: int) -> None:
         folder = self.workdir / f"base-v{version}"
         policy.export_base(folder)
-        self._wake()
+        self.wake()
         try:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a base reload")
-
-    def _wake(self) -> None:
-        if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
-
-    def _maybe_sleep(self) -> None:
-        if self.sleeps and not self._asleep:
-            self.llm.sleep(level=1)
-            self._asleep = True
 
 
 def _rollout_device(name: str, policy_device: torch.device) -> torch.device:
