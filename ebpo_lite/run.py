@@ -161,8 +161,14 @@ class Run:
 
     @torch.no_grad()
     def _fixed_logprobs(self, prompts, roll: Rollout, rows, old: bool, ref: bool) -> dict:
-        """Per-row log-probs fixed for the whole step: `("old", i)` and `("ref", i)` (adapter off)."""
+        """Per-row log-probs fixed for the whole step: `("old", i)` and `("ref", i)` (adapter off).
+
+        Always in eval mode (dropout off), as the samplers score, whatever mode the model was
+        left in (eval before the first step, train after it); the mode is restored.
+        """
         policy, out = self.policy, {}
+        was_training = policy.model.training
+        policy.model.eval()
         for c in self._chunks(rows) if (old or ref) else []:
             b = policy.batch([prompts[i] for i in c], [roll.completion_ids[i] for i in c])
             for kind, on in (("old", old), ("ref", ref)):
@@ -172,6 +178,7 @@ class Run:
                     logp = completion_logprobs(policy.model, b)[0]  # [n, C]
                 for j, i in enumerate(c):
                     out[(kind, i)] = logp[j]
+        policy.model.train(was_training)
         return out
 
     def _update(self, prompts, roll, adv, mini, fixed, stats, weight) -> float:

@@ -1,0 +1,47 @@
+"""The optimisation phase of a step (`Run.optimize`) on the tiny model: what it computes once,
+in which mode, and what it logs."""
+
+from __future__ import annotations
+
+import torch
+
+from ebpo_lite import config
+from ebpo_lite.run import build_run
+from tests.conftest import TINY_RECIPE, fast_overrides
+
+
+def _setup(tmp_path, **extra):
+    """A built run, one rollout of 8 prompts x G and random advantages (all rows valid)."""
+    cfg = config.load(TINY_RECIPE, fast_overrides(tmp_path / "run", **extra))
+    run = build_run(cfg)
+    G = cfg.rollout.group_size
+    prompt_ids = run.prompt_ids[:8]
+    roll = run.backend.generate(prompt_ids, G, seed=0)
+    prompts = [prompt_ids[i // G] for i in range(len(roll.completion_ids))]
+    gen = torch.Generator().manual_seed(0)
+    adv = torch.randn(len(prompts), generator=gen)  # [B*G]
+    return run, prompts, roll, adv, torch.ones(len(prompts), dtype=torch.bool)
+
+
+@torch.no_grad()
+def _perturb_lora(policy, seed: int = 0) -> None:
+    """A non-trivial adapter (LoRA B starts at zero, so LoRA dropout would change nothing)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in policy.model.named_parameters():
+        if "lora_B" in name:
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+
+
+def test_fixed_logprobs_are_taken_with_dropout_off(tmp_path):
+    """Old / reference log-probs do not depend on the mode the model was left in."""
+    run, prompts, roll, _, _ = _setup(tmp_path, **{"model.lora_dropout": 0.5})
+    _perturb_lora(run.policy)
+    run.policy.model.train()  # as after any optimizer step
+    rows = list(range(len(roll.completion_ids)))
+    fixed = run._fixed_logprobs(prompts, roll, rows, True, True)
+    assert run.policy.model.training  # the mode is restored
+    old = run.policy.token_logprobs(prompts, roll.completion_ids)  # eval mode, as the samplers
+    ref = run.policy.token_logprobs(prompts, roll.completion_ids, reference=True)
+    for i, c in enumerate(roll.completion_ids):
+        assert torch.allclose(fixed[("old", i)][: len(c)], torch.tensor(old[i]), atol=1e-5)
+        assert torch.allclose(fixed[("ref", i)][: len(c)], torch.tensor(ref[i]), atol=1e-5)
