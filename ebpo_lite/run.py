@@ -146,6 +146,7 @@ class Run:
         norms = []
         self.policy.model.train()
         n_updates = a.num_iterations * len(minis)
+        lr = self.scheduler.get_last_lr()[0]  # the lr of this step's updates
         for _ in range(a.num_iterations):
             for mini in minis:
                 norms.append(self._update(prompts, roll, adv, mini, old, stats, 1 / n_updates))
@@ -153,6 +154,7 @@ class Run:
         out = {f"train/{k}": v for k, v in stats.items() if not k.startswith(("is_", "logp_"))}
         out.update({f"rollout/{k}": v for k, v in stats.items() if k.startswith(("is_", "logp_"))})
         out["train/grad_norm"] = sum(norms) / max(len(norms), 1)
+        out["train/lr"] = lr
         return out
 
     def _chunks(self, rows: list[int]) -> list[list[int]]:

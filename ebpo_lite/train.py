@@ -57,7 +57,6 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         "train/frac_zero_std_groups": frac_zero_std_groups(rewards, mask),
         "train/unscored_frac": 1.0 - mask.float().mean().item(),
         "train/extra_draws": extra_draws,
-        "train/lr": run.scheduler.get_last_lr()[0],
         **loss_stats,
         **{f"adv/{k}": v for k, v in adv_stats.items()},
         "time/rollout_s": t_rollout,

@@ -3,10 +3,13 @@ in which mode, and what it logs."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ebpo_lite import config
+from ebpo_lite.metrics import read_metrics
 from ebpo_lite.run import build_run
+from ebpo_lite.train import train
 from tests.conftest import TINY_RECIPE, fast_overrides
 
 
@@ -45,3 +48,12 @@ def test_fixed_logprobs_are_taken_with_dropout_off(tmp_path):
     for i, c in enumerate(roll.completion_ids):
         assert torch.allclose(fixed[("old", i)][: len(c)], torch.tensor(old[i]), atol=1e-5)
         assert torch.allclose(fixed[("ref", i)][: len(c)], torch.tensor(ref[i]), atol=1e-5)
+
+
+def test_logged_lr_is_the_one_the_steps_update_used(tmp_path):
+    """With a 3-step warm-up, steps 1-3 update with lr x 1/3, 2/3, 1 and log exactly that."""
+    out = tmp_path / "run"
+    extra = {"train.warmup_steps": 3, "train.steps": 3, "train.lr": 1e-3}
+    train(config.load(TINY_RECIPE, fast_overrides(out, **extra)))
+    lrs = [r["train/lr"] for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r]
+    assert lrs == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3])
