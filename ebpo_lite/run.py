@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ebpo_lite import checkpoint, config, curriculum, data, loss, rewards
@@ -64,7 +65,7 @@ class Run:
 
     def _draw(self, n: int, step: int, draw: int):
         idx = self.sampler.next_batch(n)
-        seed = (self.cfg.train.seed * 1_000_003 + step * 101 + draw) % (2**31)
+        seed = draw_seed(self.cfg.train.seed, step, draw)
         roll = self.backend.generate(
             [self.prompt_ids[i] for i in idx], self.cfg.rollout.group_size, seed=seed
         )
@@ -313,6 +314,17 @@ def build_run(cfg: config.Config) -> Run:
         optimizer,
         scheduler,
     )
+
+
+def draw_seed(seed: int, step: int, draw: int) -> int:
+    """Sampling seed of draw `draw` (0, then dynamic-sampling redraws) of step `step`.
+
+    A 63-bit hash of the triple, so distinct triples never share a seed in practice (the former
+    `seed * 1_000_003 + step * 101 + draw` gave draw 101 of step s the seed of draw 0 of step s + 1),
+    and a pure function of it, so a resumed run draws what the uninterrupted one did.
+    """
+    entropy = [seed & 0xFFFF_FFFF_FFFF_FFFF, step, draw]
+    return int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0]) >> 1
 
 
 def reward_functions(cfg: config.Config):

@@ -8,7 +8,7 @@ import torch
 
 from ebpo_lite import config
 from ebpo_lite.metrics import read_metrics
-from ebpo_lite.run import build_run
+from ebpo_lite.run import build_run, draw_seed
 from ebpo_lite.train import train
 from tests.conftest import TINY_RECIPE, fast_overrides
 
@@ -57,3 +57,21 @@ def test_logged_lr_is_the_one_the_steps_update_used(tmp_path):
     train(config.load(TINY_RECIPE, fast_overrides(out, **extra)))
     lrs = [r["train/lr"] for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r]
     assert lrs == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3])
+
+
+def test_redraw_seeds_never_collide_across_steps_and_draws():
+    """Draw 101 of step s used to get the seed of draw 0 of step s + 1."""
+    seeds = [draw_seed(0, step, draw) for step in range(1, 301) for draw in range(0, 201)]
+    assert len(set(seeds)) == len(seeds)
+    assert all(0 <= s < 2**63 for s in seeds)
+    assert draw_seed(0, 1, 101) != draw_seed(0, 2, 0)
+    assert (
+        draw_seed(7, 3, 2) == draw_seed(7, 3, 2) != draw_seed(8, 3, 2)
+    )  # a function of the triple
+
+
+def test_vllm_request_seeds_use_the_whole_step_seed():
+    from ebpo_lite.rollout.vllm import request_seeds
+
+    low = 12345
+    assert request_seeds(low, 4) != request_seeds(low + 2**40, 4)

@@ -107,9 +107,12 @@ def derive_max_model_len(
 
 
 def request_seeds(seed: int, num_prompts: int) -> list[int]:
-    """One sampling seed per prompt, a deterministic function of (step seed, prompt index)."""
+    """One sampling seed per prompt, a deterministic function of (step seed, prompt index).
+
+    The whole step seed counts (up to 64 bits: `run.draw_seed` gives 63), not its low 32 bits.
+    """
     return [
-        int(np.random.SeedSequence([seed & 0xFFFFFFFF, i]).generate_state(1)[0])
+        int(np.random.SeedSequence([seed & 0xFFFF_FFFF_FFFF_FFFF, i]).generate_state(1)[0])
         for i in range(num_prompts)
     ]
 
