@@ -264,7 +264,7 @@ def build_run(cfg: config.Config) -> Run:
 
     preflight(cfg)  # on a GPU: refuse a plan that cannot fit before the model loads (CPU: no-op)
     policy = Policy.from_config(cfg)
-    prompt_ids = [data.encode_prompt(policy.tokenizer, ex, cfg.data) for ex in train_ex]
+    prompt_ids = data.encode_prompts(policy.tokenizer, train_ex, cfg.data)
     fns, weights = reward_functions(cfg)
     sampler = curriculum.make_sampler(
         cfg.curriculum.sampler,
