@@ -3,12 +3,16 @@ in which mode, and what it logs."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import sys
+
 import pytest
 import torch
 
 from ebpo_lite import config
 from ebpo_lite.metrics import read_metrics
-from ebpo_lite.run import build_run, draw_seed
+from ebpo_lite.run import build_run, draw_seed, micro_batches
 from ebpo_lite.train import train
 from tests.conftest import TINY_RECIPE, fast_overrides
 
@@ -41,7 +45,7 @@ def test_fixed_logprobs_are_taken_with_dropout_off(tmp_path):
     _perturb_lora(run.policy)
     run.policy.model.train()  # as after any optimizer step
     rows = list(range(len(roll.completion_ids)))
-    fixed = run._fixed_logprobs(prompts, roll, rows, True, True)
+    fixed = run._fixed_logprobs(prompts, roll, rows, rows)
     assert run.policy.model.training  # the mode is restored
     old = run.policy.token_logprobs(prompts, roll.completion_ids)  # eval mode, as the samplers
     ref = run.policy.token_logprobs(prompts, roll.completion_ids, reference=True)
@@ -75,3 +79,89 @@ def test_vllm_request_seeds_use_the_whole_step_seed():
 
     low = 12345
     assert request_seeds(low, 4) != request_seeds(low + 2**40, 4)
+
+
+def _step_state(run):
+    return (
+        run.policy.trainable_state(),
+        copy.deepcopy(run.optimizer.state_dict()),
+        copy.deepcopy(run.scheduler.state_dict()),
+    )
+
+
+def _load_step_state(run, state) -> None:
+    run.policy.load_trainable_state(state[0])
+    run.optimizer.load_state_dict(state[1])
+    run.scheduler.load_state_dict(state[2])
+
+
+@pytest.mark.parametrize("iterations", [1, 2])
+def test_first_mini_batch_takes_its_old_logprobs_from_its_own_forward(tmp_path, iterations):
+    """One fewer forward over the first mini-batch, and the same update as computing every
+    row's old log-prob up front (the former code path, replayed here with the same pieces)."""
+    extra = {"train.mini_batches": 2, "algo.num_iterations": iterations}
+    run, prompts, roll, adv, valid = _setup(tmp_path, **extra)
+    rows = list(range(len(prompts)))
+    minis = [rows[: len(rows) // 2], rows[len(rows) // 2 :]]
+    start = _step_state(run)
+    scored = []  # rows forwarded without grad: the up-front old log-probs
+
+    def count(module, args, kwargs, output):
+        if not torch.is_grad_enabled():
+            scored.append(kwargs["input_ids"].shape[0])
+
+    hook = run.policy.model.register_forward_hook(count, with_kwargs=True)
+    run.optimize(prompts, roll, adv, valid)
+    hook.remove()
+    assert sum(scored) == len(minis[1])  # the first mini-batch is not scored separately
+    new = run.policy.trainable_state()
+
+    _load_step_state(run, start)
+    fixed = run._fixed_logprobs(prompts, roll, rows, [])  # every row up front
+    run.policy.model.train()
+    for _ in range(iterations):
+        for mini in minis:
+            run._update(prompts, roll, adv, mini, fixed, {}, 1 / (2 * iterations))
+    before = run.policy.trainable_state()
+    assert any(not torch.equal(before[k], start[0][k]) for k in before)  # the update is real
+    for k in new:
+        assert torch.allclose(new[k], before[k], atol=1e-6, rtol=0), k
+
+
+def test_micro_batches_are_length_sorted_and_cover_each_row_once():
+    prompts = [[0] * 5] * 6
+    completions = [[0] * n for n in (1, 90, 2, 80, 3, 70)]
+    chunks = micro_batches([0, 1, 2, 3, 4, 5], prompts, completions, size=3)
+    assert chunks == [[0, 2, 4], [5, 3, 1]]
+
+    def padded(chunks):  # cells of the [n, P + C] batches
+        return sum(len(c) * (5 + max(len(completions[i]) for i in c)) for c in chunks)
+
+    assert padded(chunks) == 3 * (5 + 3) + 3 * (5 + 90)
+    assert padded(chunks) < padded([[0, 1, 2], [3, 4, 5]])
+    assert micro_batches([4, 0], prompts, completions, size=8) == [[0, 4]]
+
+
+def test_optimize_syncs_once_per_step_whatever_the_micro_batching(tmp_path, monkeypatch):
+    """ebpo_lite's own host reads of tensors (`.item()`, `.tolist()`, `float()`, `bool()` ...)
+    during `optimize` do not grow with the number of micro-batches."""
+    run, prompts, roll, adv, valid = _setup(tmp_path)
+    calls: list[str] = []
+    for name in ("item", "tolist", "__float__", "__bool__", "__int__", "__index__"):
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _real=real, _name=name, **k):
+            if sys._getframe(1).f_globals.get("__name__", "").startswith("ebpo_lite"):
+                calls.append(_name)
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    counts = {}
+    for size in (4, 32):  # 8 micro-batches, then 1
+        run.cfg = dataclasses.replace(
+            run.cfg, train=dataclasses.replace(run.cfg.train, micro_batch_size=size)
+        )
+        calls.clear()
+        run.optimize(prompts, roll, adv, valid)
+        counts[size] = list(calls)
+    assert counts[4] == counts[32] == ["tolist", "tolist"], counts  # the valid mask, the stats
