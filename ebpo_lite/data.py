@@ -11,10 +11,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from ebpo_lite.errors import ConfigError
 
 if TYPE_CHECKING:
     from ebpo_lite.config import DataConfig
@@ -137,15 +141,59 @@ def encode_prompt(
 ) -> list[int]:
     """Token ids of a prompt: the raw text for the tiny task, the chat template otherwise.
 
-    `raw` defaults to `is_arithmetic(cfg)`; `truncate` keeps the last `max_prompt_tokens`.
+    `raw` defaults to `is_arithmetic(cfg)`. With `truncate`, a templated prompt longer than
+    `max_prompt_tokens` keeps the template whole (system turn, user header and footer,
+    generation prompt) and loses the FRONT of the question text, its end (usually the question
+    asked) kept; `encode_prompts` says how many prompts that happened to.
     """
+    return _encode(tokenizer, ex, cfg, raw, truncate)[0]
+
+
+def encode_prompts(
+    tokenizer, examples: list[Example], cfg: DataConfig, log: Callable[[str], None] = print
+) -> list[list[int]]:
+    """`encode_prompt` of each example; one line says how many were truncated, if any."""
+    out, cut = [], 0
+    for ex in examples:
+        ids, truncated = _encode(tokenizer, ex, cfg, None, True)
+        out.append(ids)
+        cut += truncated
+    if cut:
+        log(
+            f"data.max_prompt_tokens: {cut} of {len(examples)} prompts were longer than "
+            f"{cfg.max_prompt_tokens} tokens; the front of their question text was cut "
+            "(the chat template is kept whole)"
+        )
+    return out
+
+
+def _encode(tokenizer, ex: Example, cfg: DataConfig, raw: bool | None, truncate: bool):
+    """(token ids, whether the question was truncated to fit `max_prompt_tokens`)."""
     if is_arithmetic(cfg) if raw is None else raw:
-        return tokenizer.encode(ex.prompt, add_special_tokens=False)
+        return tokenizer.encode(ex.prompt, add_special_tokens=False), False
     from ebpo_lite import mathdata
 
-    text = mathdata.format_prompt(tokenizer, ex, cfg.system_prompt, cfg.thinking)
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    return ids[-cfg.max_prompt_tokens :] if truncate else ids
+    def encode(question: str) -> list[int]:
+        text = mathdata.format_prompt(
+            tokenizer, dataclasses.replace(ex, prompt=question), cfg.system_prompt, cfg.thinking
+        )
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    ids, limit = encode(ex.prompt), cfg.max_prompt_tokens
+    if not truncate or len(ids) <= limit:
+        return ids, False
+    question = tokenizer.encode(ex.prompt, add_special_tokens=False)
+    excess = len(ids) - limit
+    while len(ids) > limit:  # token counts need not add up across the template: re-check
+        keep = len(question) - excess
+        if keep <= 0:
+            raise ConfigError(
+                f"data.max_prompt_tokens: {limit} leaves no room for the question: the chat "
+                f"template and system prompt alone take {len(encode(''))} tokens"
+            )
+        ids = encode(tokenizer.decode(question[-keep:]))
+        excess += max(len(ids) - limit, 0)
+    return ids, True
 
 
 def load_train_eval(cfg: DataConfig) -> tuple[list[Example], list[Example]]:

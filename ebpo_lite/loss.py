@@ -38,7 +38,8 @@ biased but comparable across lengths. `"none"`: no correction (the mismatch is s
 `sampler_logp` is given).
 
 Gradient accumulation: each aggregation is a mean over the micro-batch. To get the loss of the whole
-batch, scale each micro-batch's loss by `microbatch_weight(...)` and sum.
+batch, scale each micro-batch's loss by `microbatch_weight(...)` (from token / sequence counts) and
+sum.
 
 Departures: the EBPO paper trains with verl and does not state the clip epsilon or the aggregation
 (ALGORITHM.md section 5); both are options here, defaulting to eps 0.2 / 0.2 and token_mean.
@@ -90,17 +91,20 @@ def aggregate(
     raise ValueError(f"agg: unknown aggregation {agg!r}; expected one of {', '.join(AGGREGATIONS)}")
 
 
-def microbatch_weight(agg: str, mask: torch.Tensor, total_tokens: float, total_seqs: int) -> float:
+def microbatch_weight(
+    agg: str, tokens: float, seqs: int, total_tokens: float, total_seqs: int
+) -> float:
     """Factor for one micro-batch's loss so that the weighted sum equals the whole batch's loss.
 
-    `mask` [n, T] is the micro-batch's; `total_tokens` (sum of the whole batch's mask) and
-    `total_seqs` (its N) describe the whole batch. token_mean: tokens_k / total_tokens;
-    seq_mean and dr_grpo: n_k / total_seqs.
+    `tokens` (the sum of the micro-batch's mask) and `seqs` (its n) describe the micro-batch,
+    `total_tokens` and `total_seqs` the whole batch; plain numbers, so the trainer can count them
+    on the host without a device sync. token_mean: tokens / total_tokens; seq_mean and
+    dr_grpo: seqs / total_seqs.
     """
     if agg == "token_mean":
-        return float(mask.float().sum()) / max(float(total_tokens), 1e-8)
+        return float(tokens) / max(float(total_tokens), 1e-8)
     if agg in ("seq_mean", "dr_grpo"):
-        return mask.shape[0] / max(total_seqs, 1)
+        return seqs / max(total_seqs, 1)
     raise ValueError(f"agg: unknown aggregation {agg!r}; expected one of {', '.join(AGGREGATIONS)}")
 
 
@@ -174,8 +178,11 @@ def policy_loss(
     is_mode: str = "none",
     is_cap: float = 2.0,
     max_tokens: int | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """The clipped-surrogate loss (scalar, differentiable in `logp`) and plain-float stats.
+    sync_stats: bool = True,
+) -> tuple[torch.Tensor, dict]:
+    """The clipped-surrogate loss (scalar, differentiable in `logp`) and plain-float stats
+    (one device sync); `sync_stats=False` leaves them as 0-d tensors on `logp`'s device, for a
+    caller that syncs once over many micro-batches.
 
     See the module docstring for the formulas. Stats: `loss`, `pg_loss`, `kl` (mean per-token k3
     over valid tokens; 0 without `ref_logp`), `clip_frac` (= `clip_frac_low` + `clip_frac_high`,
@@ -235,7 +242,7 @@ def policy_loss(
             names += list(more)
             values += list(more.values())
         flat = torch.stack([v.float().reshape(()).to(logp.device) for v in values])
-        stats = dict(zip(names, flat.tolist()))  # one device sync
+        stats = dict(zip(names, flat.tolist() if sync_stats else flat.unbind()))
     return loss, stats
 
 

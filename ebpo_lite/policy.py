@@ -108,6 +108,13 @@ class Policy:
     def trains_base(self) -> bool:
         return bool(self.trainable_extra)
 
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The ids that end a turn: the generation config's `eos_token_id` list + the tokenizer's."""
+        from ebpo_lite.rollout import stop_token_ids
+
+        return stop_token_ids(self.tokenizer, getattr(self.model, "generation_config", None))
+
     @classmethod
     def from_config(cls, cfg: Config, log=print) -> Policy:
         from transformers import AutoModelForCausalLM, AutoTokenizer

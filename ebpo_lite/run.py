@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ebpo_lite import checkpoint, config, curriculum, data, loss, rewards
@@ -91,7 +92,7 @@ class Run:
 
     def _draw(self, n: int, step: int, draw: int):
         idx = self.sampler.next_batch(n)
-        seed = (self.cfg.train.seed * 1_000_003 + step * 101 + draw) % (2**31)
+        seed = draw_seed(self.cfg.train.seed, step, draw)
         roll = self.backend.generate(
             [self.prompt_ids[i] for i in idx], self.cfg.rollout.group_size, seed=seed
         )
@@ -156,70 +157,91 @@ class Run:
         self, prompts: list[list[int]], roll: Rollout, adv: torch.Tensor, valid: torch.Tensor
     ) -> dict[str, float]:
         """`num_iterations` passes over the rollout, each split into `train.mini_batches`
-        optimizer steps; each step accumulates gradients over micro-batches.
+        optimizer steps; each step accumulates gradients over length-sorted micro-batches.
 
         Micro-batch losses are weighted by their share of the mini-batch's normaliser (tokens for
         `token_mean`, sequences otherwise), so accumulation equals one mini-batch loss. Once the
         policy has moved within a step (several mini-batches or iterations), the PPO ratio is
-        taken against log-probs computed once before the first update.
+        taken against the log-probs before the first update: the first mini-batch's first pass
+        runs on those weights, so its own forward gives them (kept for later passes); the other
+        rows' are computed up front, in eval mode. With dropout active in training that forward
+        is a dropout sample, so then every row's is computed up front. Stats stay on the device;
+        the step syncs once.
         """
         cfg, a = self.cfg, self.cfg.algo
-        rows = [i for i in range(len(roll.completion_ids)) if valid[i]]
+        rows = [i for i, ok in enumerate(valid.tolist()) if ok]  # `valid` is on the host
         n_mini = min(cfg.train.mini_batches, max(len(rows), 1))
         minis = [
             rows[k * len(rows) // n_mini : (k + 1) * len(rows) // n_mini] for k in range(n_mini)
         ]
-        need_old = a.num_iterations > 1 or n_mini > 1
-        old = self._fixed_logprobs(prompts, roll, rows, need_old, a.kl_coef > 0)
-        stats: dict[str, float] = {}
+        old_rows: list[int] = []
+        if a.num_iterations > 1 or n_mini > 1:
+            live = set() if _dropout_in_training(self.policy.model) else set(minis[0])
+            old_rows = [i for i in rows if i not in live]
+        fixed = self._fixed_logprobs(prompts, roll, old_rows, rows if a.kl_coef > 0 else [])
+        stats: dict[str, torch.Tensor] = {}
         norms = []
         self.policy.model.train()
         n_updates = a.num_iterations * len(minis)
+        lr = self.scheduler.get_last_lr()[0]  # the lr of this step's updates
         for _ in range(a.num_iterations):
             for mini in minis:
-                norms.append(self._update(prompts, roll, adv, mini, old, stats, 1 / n_updates))
+                norms.append(self._update(prompts, roll, adv, mini, fixed, stats, 1 / n_updates))
         self.scheduler.step()
-        out = {f"train/{k}": v for k, v in stats.items() if not k.startswith(("is_", "logp_"))}
-        out.update({f"rollout/{k}": v for k, v in stats.items() if k.startswith(("is_", "logp_"))})
-        out["train/grad_norm"] = sum(norms) / max(len(norms), 1)
+        flat = torch.stack([v.float() for v in [*stats.values(), *norms]]).tolist()  # one sync
+        values = dict(zip(stats, flat))
+        out = {f"train/{k}": v for k, v in values.items() if not k.startswith(("is_", "logp_"))}
+        out.update({f"rollout/{k}": v for k, v in values.items() if k.startswith(("is_", "logp_"))})
+        out["train/grad_norm"] = sum(flat[len(stats) :]) / max(len(norms), 1)
+        out["train/lr"] = lr
         return out
 
-    def _chunks(self, rows: list[int]) -> list[list[int]]:
-        mb = self.cfg.train.micro_batch_size
-        return [rows[s : s + mb] for s in range(0, len(rows), mb)]
+    def _chunks(self, rows: list[int], prompts, roll: Rollout) -> list[list[int]]:
+        return micro_batches(rows, prompts, roll.completion_ids, self.cfg.train.micro_batch_size)
 
     @torch.no_grad()
-    def _fixed_logprobs(self, prompts, roll: Rollout, rows, old: bool, ref: bool) -> dict:
-        """Per-row log-probs fixed for the whole step: `("old", i)` and `("ref", i)` (adapter off)."""
+    def _fixed_logprobs(self, prompts, roll: Rollout, old_rows, ref_rows) -> dict:
+        """Per-row log-probs fixed for the whole step: `("old", i)` for `old_rows` and
+        `("ref", i)` (adapter off) for `ref_rows`.
+
+        Always in eval mode (dropout off), as the samplers score, whatever mode the model was
+        left in (eval before the first step, train after it); the mode is restored.
+        """
         policy, out = self.policy, {}
-        for c in self._chunks(rows) if (old or ref) else []:
-            b = policy.batch([prompts[i] for i in c], [roll.completion_ids[i] for i in c])
-            for kind, on in (("old", old), ("ref", ref)):
-                if not on:
-                    continue
+        was_training = policy.model.training
+        policy.model.eval()
+        for kind, kind_rows in (("old", old_rows), ("ref", ref_rows)):
+            for c in self._chunks(kind_rows, prompts, roll):
+                b = policy.batch([prompts[i] for i in c], [roll.completion_ids[i] for i in c])
                 with policy.ref_context() if kind == "ref" else contextlib.nullcontext():
                     logp = completion_logprobs(policy.model, b)[0]  # [n, C]
                 for j, i in enumerate(c):
                     out[(kind, i)] = logp[j]
+        policy.model.train(was_training)
         return out
 
-    def _update(self, prompts, roll, adv, mini, fixed, stats, weight) -> float:
-        """One optimizer step on the rows `mini`; returns the gradient norm before clipping."""
+    def _update(self, prompts, roll, adv, mini, fixed, stats, weight) -> torch.Tensor:
+        """One optimizer step on the rows `mini`; returns the gradient norm before clipping.
+
+        A row with no `("old", i)` in `fixed` is on the weights the rollout was scored with (the
+        first pass of the first mini-batch, or a one-update step): this forward is its old
+        log-prob, stored in `fixed` for later passes.
+        """
         cfg, a, policy = self.cfg, self.cfg.algo, self.policy
         mini_tokens = sum(len(roll.completion_ids[i]) for i in mini) or 1
         self.optimizer.zero_grad(set_to_none=True)
-        for c in self._chunks(mini):
+        for c in self._chunks(mini, prompts, roll):
             b = policy.batch([prompts[i] for i in c], [roll.completion_ids[i] for i in c])
             logp, entropy = completion_logprobs(policy.model, b, with_entropy=True)  # [n, C]
-            width = logp.shape[1]
-            old = _stack([fixed[("old", i)] for i in c], width) if ("old", c[0]) in fixed else None
+            width, live = logp.shape[1], logp.detach()
+            old = _stack([fixed.setdefault(("old", i), live[j]) for j, i in enumerate(c)], width)
             ref = _stack([fixed[("ref", i)] for i in c], width) if ("ref", c[0]) in fixed else None
             slp = None  # the sampler's log-probs: mismatch metrics always, correction if asked
             if roll.sampler_logprobs is not None:
                 slp = _pad([roll.sampler_logprobs[i] for i in c], width).to(logp.device)
             lval, st = loss.policy_loss(
                 logp,
-                logp.detach() if old is None else old,
+                old,
                 adv[c].to(logp.device),
                 b.completion_mask,
                 clip_eps_low=a.clip_eps_low,
@@ -231,13 +253,15 @@ class Run:
                 is_mode=a.is_correction if slp is not None else "none",
                 is_cap=a.is_cap,
                 max_tokens=cfg.rollout.max_new_tokens,
+                sync_stats=False,
             )
-            share = loss.microbatch_weight(a.loss_agg, b.completion_mask, mini_tokens, len(mini))
+            tokens = sum(len(roll.completion_ids[i]) for i in c)  # = the mask's sum, no sync
+            share = loss.microbatch_weight(a.loss_agg, tokens, len(c), mini_tokens, len(mini))
             (lval * share).backward()
-            st["entropy"] = loss.masked_mean(entropy, b.completion_mask).item()
+            st["entropy"] = loss.masked_mean(entropy, b.completion_mask)
             _accumulate(stats, st, share * weight)
         params = policy.trainable_parameters()
-        norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm).item()
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm)
         self.optimizer.step()
         return norm
 
@@ -283,7 +307,7 @@ def build_run(cfg: config.Config) -> Run:
 
     preflight(cfg)  # on a GPU: refuse a plan that cannot fit before the model loads (CPU: no-op)
     policy = Policy.from_config(cfg)
-    prompt_ids = [data.encode_prompt(policy.tokenizer, ex, cfg.data) for ex in train_ex]
+    prompt_ids = data.encode_prompts(policy.tokenizer, train_ex, cfg.data)
     fns, weights = reward_functions(cfg)
     sampler = curriculum.make_sampler(
         cfg.curriculum.sampler,
@@ -335,6 +359,17 @@ def build_run(cfg: config.Config) -> Run:
     )
 
 
+def draw_seed(seed: int, step: int, draw: int) -> int:
+    """Sampling seed of draw `draw` (0, then dynamic-sampling redraws) of step `step`.
+
+    A 63-bit hash of the triple, so distinct triples never share a seed in practice (the former
+    `seed * 1_000_003 + step * 101 + draw` gave draw 101 of step s the seed of draw 0 of step s + 1),
+    and a pure function of it, so a resumed run draws what the uninterrupted one did.
+    """
+    entropy = [seed & 0xFFFF_FFFF_FFFF_FFFF, step, draw]
+    return int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0]) >> 1
+
+
 def reward_functions(cfg: config.Config):
     """The (name, function) pairs and weights of `reward.*`; `auto` picks by dataset."""
     names = list(cfg.reward.functions)
@@ -383,15 +418,43 @@ def _prepare_output_dir(cfg: config.Config) -> Path:
     return out
 
 
-def _accumulate(total: dict[str, float], stats: dict[str, float], weight: float) -> None:
-    """Combine micro-batch stats: extremes by max / min, everything else as a weighted mean."""
+def _accumulate(total: dict[str, torch.Tensor], stats: dict[str, torch.Tensor], weight) -> None:
+    """Combine micro-batch stats (0-d tensors, no sync): extremes by max / min, the rest as a
+    weighted mean."""
     for k, v in stats.items():
-        if k.endswith("_max"):
-            total[k] = max(total.get(k, -math.inf), v)
+        if k not in total:
+            total[k] = v if k.endswith(("_max", "_min")) else v * weight
+        elif k.endswith("_max"):
+            total[k] = torch.maximum(total[k], v)
         elif k.endswith("_min"):
-            total[k] = min(total.get(k, math.inf), v)
+            total[k] = torch.minimum(total[k], v)
         else:
-            total[k] = total.get(k, 0.0) + v * weight
+            total[k] = total[k] + v * weight
+
+
+def micro_batches(
+    rows: list[int], prompts: list[list[int]], completions: list[list[int]], size: int
+) -> list[list[int]]:
+    """`rows` in micro-batches of `size`, sorted by (completion, prompt) length.
+
+    A micro-batch is padded to its longest prompt + longest completion, so grouping rows of
+    similar length wastes little; the loss is unchanged (accumulation is exact for any grouping).
+    """
+    order = sorted(rows, key=lambda i: (len(completions[i]), len(prompts[i])))
+    return [order[s : s + size] for s in range(0, len(order), size)]
+
+
+def _dropout_in_training(model) -> bool:
+    """Whether a train-mode forward is random: an `nn.Dropout` with p > 0 (LoRA dropout), or a
+    `*dropout` / `*pdrop` config value > 0 (attention dropout is functional, not a module)."""
+    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
+        return True
+    cfg = getattr(model, "config", None)
+    values = cfg.to_dict() if hasattr(cfg, "to_dict") else {}
+    return any(
+        k.endswith(("dropout", "pdrop")) and isinstance(v, float | int) and v > 0
+        for k, v in values.items()
+    )
 
 
 def _stack(rows: list[torch.Tensor], width: int) -> torch.Tensor:

@@ -64,7 +64,6 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         "train/extra_draws": sample.extra_draws,
         "train/groups_drawn": len(sample.drawn_idx),
         "train/groups_kept": len(sample.idx),
-        "train/lr": run.scheduler.get_last_lr()[0],
         **loss_stats,
         **{f"adv/{k}": v for k, v in adv_stats.items()},
         "time/rollout_s": t_rollout,

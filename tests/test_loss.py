@@ -203,10 +203,11 @@ def test_microbatch_weights_recover_the_full_batch_loss():
         parts = 0.0
         for sl in (slice(0, 2), slice(2, 6)):
             part, _ = policy_loss(logp[sl], old[sl], adv[sl], mask[sl], agg=agg, max_tokens=t)
-            parts += part.item() * microbatch_weight(agg, mask[sl], mask.sum().item(), n)
+            k_tokens, k_seqs = mask[sl].sum().item(), mask[sl].shape[0]
+            parts += part.item() * microbatch_weight(agg, k_tokens, k_seqs, mask.sum().item(), n)
         assert parts == pytest.approx(full.item(), rel=1e-5), agg
     with pytest.raises(ValueError, match="agg"):
-        microbatch_weight("sum", mask, 1, 1)
+        microbatch_weight("sum", 1, 1, 1, 1)
 
 
 def test_helpers_masked_mean_entropy_aggregate():

@@ -131,7 +131,14 @@ def test_sampling_params_carry_the_rollout_settings():
         ["rollout.top_k=0", "rollout.top_p=0.95", "rollout.min_p=0.1", "rollout.temperature=0.7"],
     ).rollout
     params = rv.sampling_params(
-        Recorder, r, group_size=4, seed=5, num_prompts=3, temperature=None, max_tokens=12, eos_id=1
+        Recorder,
+        r,
+        group_size=4,
+        seed=5,
+        num_prompts=3,
+        temperature=None,
+        max_tokens=12,
+        stop_ids=(1, 7),
     )
     assert len(params) == 3
     assert [p["seed"] for p in params] == rv.request_seeds(5, 3)
@@ -144,8 +151,8 @@ def test_sampling_params_carry_the_rollout_settings():
         0.1,
         12,
     )  # top_k 0 (off) is vLLM's -1
-    assert p["logprobs"] == 0 and p["stop_token_ids"] == [1]
-    greedy = rv.sampling_params(Recorder, r, 1, 0, 1, temperature=0.0, max_tokens=3, eos_id=None)
+    assert p["logprobs"] == 0 and p["stop_token_ids"] == [1, 7]  # every end-of-turn id
+    greedy = rv.sampling_params(Recorder, r, 1, 0, 1, temperature=0.0, max_tokens=3, stop_ids=())
     assert greedy[0]["temperature"] == 0.0 and greedy[0]["stop_token_ids"] is None
 
 
@@ -184,11 +191,29 @@ def test_outputs_to_rollout_is_prompt_major_and_sorted_by_sample_index():
             ]
         ),
     ]
-    roll = rv.outputs_to_rollout([[10, 11], [12]], outs)
+    roll = rv.outputs_to_rollout([[10, 11], [12]], outs, stop_ids=(1, 9))
     assert roll.completion_ids == [[7, 8], [5, 1], [9], [4, 4]]
     assert roll.sampler_logprobs == [[-1.0, -2.0], [-0.5, -0.1], [-3.0], [-0.2, -0.3]]
     assert roll.finished == [False, True, True, False]
     assert roll.group_size == 2
+
+
+def test_outputs_to_rollout_cuts_at_the_first_stop_id_with_its_logprobs():
+    """Tokens after any stop id never reach the trainer; `finished` agrees with the cut."""
+    from types import SimpleNamespace as NS
+
+    ids, vals = [5, 9, 6, 1], [-0.1, -0.2, -0.3, -0.4]
+    out = NS(
+        index=0,
+        token_ids=ids,
+        logprobs=[{t: NS(logprob=v)} for t, v in zip(ids, vals)],
+        finish_reason="stop",
+    )
+    roll = rv.outputs_to_rollout([[10]], [NS(outputs=[out])], stop_ids=(1, 9))
+    assert roll.completion_ids == [[5, 9]] and roll.sampler_logprobs == [[-0.1, -0.2]]
+    assert roll.finished == [True]
+    roll = rv.outputs_to_rollout([[10]], [NS(outputs=[out])], stop_ids=(2,))
+    assert roll.completion_ids == [ids] and roll.finished == [False]
 
 
 def test_unsloth_backend_without_gpu_is_a_clear_user_error():

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ebpo_lite.rollout import Rollout
+from ebpo_lite.rollout import Rollout, cut_at_stop
 
 if TYPE_CHECKING:
     from ebpo_lite.config import RolloutConfig
@@ -52,7 +52,7 @@ class HFRollout:
     @torch.no_grad()
     def _generate(self, prompt_ids, group_size, seed, temperature, max_new_tokens) -> Rollout:
         policy, cfg = self.policy, self.cfg
-        tok = policy.tokenizer
+        tok, stops = policy.tokenizer, list(policy.stop_ids)
         temperature = cfg.temperature if temperature is None else temperature
         greedy = temperature == 0
         width = max(len(p) for p in prompt_ids)
@@ -64,7 +64,7 @@ class HFRollout:
         kwargs = dict(
             max_new_tokens=max_new_tokens or cfg.max_new_tokens,
             num_return_sequences=group_size,
-            eos_token_id=tok.eos_token_id,
+            eos_token_id=stops,  # every end-of-turn id, not only the tokenizer's eos
             pad_token_id=tok.pad_token_id,
             return_dict_in_generate=True,
         )
@@ -90,8 +90,8 @@ class HFRollout:
         new = gen.sequences[:, width:].cpu()  # [B*G, T]
         completions, finished = [], []
         for row in new.tolist():
-            done = tok.eos_token_id in row
-            completions.append(row[: row.index(tok.eos_token_id) + 1] if done else row)
+            ids, done = cut_at_stop(row, stops)  # drops the padding after the stop id
+            completions.append(ids)
             finished.append(done)
         return Rollout(list(prompt_ids), completions, None, finished)
 

@@ -179,14 +179,14 @@ class UnslothRollout:
             len(prompt_ids),
             temperature,
             max_tokens,
-            self.policy.tokenizer.eos_token_id,
+            self.policy.stop_ids,
         )
         inputs = [{"prompt_token_ids": list(p)} for p in prompt_ids]  # vLLM's TokensPrompt
         with preserved_rng():
             outs = self.policy.model.fast_generate(
                 inputs, sampling_params=params, lora_request=self.lora_request, use_tqdm=False
             )
-        return outputs_to_rollout(prompt_ids, outs)
+        return outputs_to_rollout(prompt_ids, outs, self.policy.stop_ids)
 
     def sync(self, policy: Policy, version: int) -> None:
         """Save the adapter to a fresh folder and serve it under a new LoRARequest id."""

