@@ -308,7 +308,10 @@ def _benchmark_metrics(run: Run, sampler: Any, max_new: int) -> dict[str, float]
 
 @torch.no_grad()
 def expected_accuracy(policy, prompts: list[list[int]], answers: list[str]) -> float:
-    """Mean over problems of P(answer + EOS | prompt) under the policy at temperature 1."""
+    """Mean over problems of P(answer + EOS | prompt) under the policy at temperature 1.
+
+    Always temperature 1 (the model's own distribution), whatever rollout.temperature is.
+    """
     tok = policy.tokenizer
     targets = [tok.encode(a, add_special_tokens=False) + [tok.eos_token_id] for a in answers]
     logps = policy.token_logprobs(prompts, targets)

@@ -257,15 +257,16 @@ class Policy:
         completion_ids: list[list[int]],
         reference: bool = False,
         micro_batch: int = 64,
+        temperature: float = 1.0,
     ) -> list[list[float]]:
-        """Trainer log-probs of each completion token (no grad), as ragged lists."""
+        """Trainer log-probs of each completion token at `temperature` (no grad), ragged."""
         was_training = self.model.training
         self.model.eval()
         out: list[list[float]] = []
         with self.ref_context() if reference else nullcontext():
             for s in range(0, len(prompt_ids), micro_batch):
                 b = self.batch(prompt_ids[s : s + micro_batch], completion_ids[s : s + micro_batch])
-                logp, _ = completion_logprobs(self.model, b)
+                logp, _ = completion_logprobs(self.model, b, temperature=temperature)
                 for row, c in zip(logp.cpu().tolist(), completion_ids[s : s + micro_batch]):
                     out.append(row[: len(c)])
         self.model.train(was_training)

@@ -162,14 +162,14 @@ class Run:
     @torch.no_grad()
     def _fixed_logprobs(self, prompts, roll: Rollout, rows, old: bool, ref: bool) -> dict:
         """Per-row log-probs fixed for the whole step: `("old", i)` and `("ref", i)` (adapter off)."""
-        policy, out = self.policy, {}
+        policy, out, temp = self.policy, {}, self.cfg.rollout.temperature  # as sampled
         for c in self._chunks(rows) if (old or ref) else []:
             b = policy.batch([prompts[i] for i in c], [roll.completion_ids[i] for i in c])
             for kind, on in (("old", old), ("ref", ref)):
                 if not on:
                     continue
                 with policy.ref_context() if kind == "ref" else contextlib.nullcontext():
-                    logp = completion_logprobs(policy.model, b)[0]  # [n, C]
+                    logp = completion_logprobs(policy.model, b, temperature=temp)[0]  # [n, C]
                 for j, i in enumerate(c):
                     out[(kind, i)] = logp[j]
         return out
@@ -181,7 +181,9 @@ class Run:
         self.optimizer.zero_grad(set_to_none=True)
         for c in self._chunks(mini):
             b = policy.batch([prompts[i] for i in c], [roll.completion_ids[i] for i in c])
-            logp, entropy = completion_logprobs(policy.model, b, with_entropy=True)  # [n, C]
+            logp, entropy = completion_logprobs(
+                policy.model, b, with_entropy=True, temperature=cfg.rollout.temperature
+            )  # [n, C]: the sampling distribution's
             width = logp.shape[1]
             old = _stack([fixed[("old", i)] for i in c], width) if ("old", c[0]) in fixed else None
             ref = _stack([fixed[("ref", i)] for i in c], width) if ("ref", c[0]) in fixed else None
