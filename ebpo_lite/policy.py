@@ -9,6 +9,9 @@
 Batch layout used by the log-prob functions: prompts are left-padded to width P and completions
 right-padded to width C, so every completion starts at column P and only the last C + 1 positions
 of the logits are computed (`logits_to_keep`), which matters for 150k-token vocabularies.
+From those logits (model dtype) the log-probs and entropies are computed in fp32 chunks of rows
+(`completion_logprobs`), so a micro-batch never holds an fp32 [N, C, V] copy: with Qwen3's 152k
+vocabulary and 4 x 4096 completion tokens one such copy is 9.3 GiB.
 """
 
 from __future__ import annotations
@@ -61,8 +64,31 @@ def make_batch(
     return Batch(ids.to(device), attn.to(device), pos.to(device), cmask.to(device), width_p)
 
 
-def completion_logprobs(model, batch: Batch, with_entropy: bool = False):
-    """Per-token log-probs of the completion tokens: [N, C] (and entropies [N, C])."""
+LOGPROB_CHUNK_BYTES = 256 * 2**20  # one fp32 chunk of logits, [chunk_rows, V], is at most this
+
+
+def default_chunk_rows(vocab_size: int) -> int:
+    """Rows per chunk so that one fp32 [rows, V] copy stays within LOGPROB_CHUNK_BYTES."""
+    return max(1, LOGPROB_CHUNK_BYTES // (4 * vocab_size))
+
+
+def completion_logprobs(
+    model,
+    batch: Batch,
+    with_entropy: bool = False,
+    temperature: float = 1.0,
+    chunk_rows: int | None = None,
+):
+    """Per-token log-probs of the completion tokens at `temperature`: [N, C] (and entropies).
+
+    The log-probs are those of softmax(logits / T), the distribution a sampler draws from at
+    temperature T (before any top-p / top-k / min-p truncation); the entropy is that
+    distribution's, without gradient. T = 0 (greedy) is scored at 1, as vLLM does.
+    Both are computed in chunks of `chunk_rows` of the N * C positions (default: one fp32 chunk
+    within LOGPROB_CHUNK_BYTES), so no fp32 [N, C, V] copy is ever made; see `_ChunkedLogProbs`.
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
     width_c = batch.completion_mask.shape[1]
     out = model(
         input_ids=batch.input_ids,
@@ -71,16 +97,61 @@ def completion_logprobs(model, batch: Batch, with_entropy: bool = False):
         logits_to_keep=width_c + 1,
         use_cache=False,
     )
-    logits = out.logits[:, :-1].float()  # [N, C, V]: position P-1+t predicts completion token t
+    logits = out.logits  # [N, C + 1, V]: position P-1+t predicts completion token t
     targets = batch.input_ids[:, batch.prompt_width :]  # [N, C]
-    logz = torch.logsumexp(logits, dim=-1)  # [N, C]
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz  # [N, C]
-    if not with_entropy:
-        return logp, None
-    with torch.no_grad():
-        probs = torch.softmax(logits, dim=-1)  # [N, C, V]
-        entropy = logz - (probs * logits).sum(-1)  # [N, C]
-    return logp, entropy
+    rows = chunk_rows or default_chunk_rows(logits.shape[-1])
+    scale = 1.0 / temperature if temperature > 0 else 1.0
+    logp, entropy = _ChunkedLogProbs.apply(logits, targets, scale, rows, with_entropy)
+    return logp, (entropy if with_entropy else None)
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    """log softmax(x / T)[target] per position, x = logits, in chunks of rows of fp32.
+
+    Notation: x [N, L, V] logits in the model's dtype (L >= C), y [N, C] targets, s = 1 / T,
+    position (n, t) scores y[n, t] from x[n, t]; z = s * x[n, t] in fp32, lse = logsumexp(z).
+    Forward: logp = z[y] - lse, entropy = lse - sum softmax(z) * z (no gradient).
+    Backward: d logp / d x = s * (onehot(y) - softmax(z)), recomputed per chunk from the saved
+    x and lse. Only x (which the model made anyway), lse and one gradient the size of x stay
+    alive; fp32 exists for one chunk at a time. Autograd through `.float()`, `logsumexp` and
+    `gather` would instead keep the fp32 [N, C, V] copy and build two more of it in backward.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, scale: float, chunk_rows: int, with_entropy: bool):
+        n_seq, width = targets.shape
+        flat_y = targets.reshape(-1)  # [N*C]
+        logp = torch.empty(flat_y.shape, dtype=torch.float32, device=logits.device)  # [N*C]
+        lse = torch.empty_like(logp)  # [N*C]
+        entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)  # [N*C] or [0]
+        for s in range(0, flat_y.numel(), chunk_rows):
+            idx = torch.arange(s, min(s + chunk_rows, flat_y.numel()), device=logits.device)  # [k]
+            z = logits[idx // width, idx % width].float().mul_(scale)  # [k, V] (a copy)
+            lse[idx] = torch.logsumexp(z, dim=-1)  # [k]
+            logp[idx] = z.gather(-1, flat_y[idx, None]).squeeze(-1) - lse[idx]  # [k]
+            if with_entropy:
+                p = torch.softmax(z, dim=-1)  # [k, V]
+                entropy[idx] = lse[idx] - p.mul_(z).sum(-1)  # [k]
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.scale, ctx.chunk_rows = scale, chunk_rows
+        entropy = entropy.view(n_seq, width) if with_entropy else entropy  # [N, C] or [0]
+        ctx.mark_non_differentiable(entropy)
+        return logp.view(n_seq, width), entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):
+        logits, targets, lse = ctx.saved_tensors
+        width = targets.shape[1]
+        flat_y, g = targets.reshape(-1), grad_logp.reshape(-1).float()  # [N*C], [N*C]
+        grad = torch.zeros_like(logits)  # [N, L, V]
+        for s in range(0, flat_y.numel(), ctx.chunk_rows):
+            idx = torch.arange(s, min(s + ctx.chunk_rows, flat_y.numel()), device=logits.device)
+            n, t = idx // width, idx % width  # [k], [k]
+            z = logits[n, t].float().mul_(ctx.scale)  # [k, V] (a copy)
+            gz = z.sub_(lse[idx, None]).exp_().mul_(-g[idx, None])  # [k, V]: -g * softmax(z)
+            gz[torch.arange(idx.numel(), device=idx.device), flat_y[idx]] += g[idx]  # + g onehot
+            grad[n, t] = gz.mul_(ctx.scale).to(grad.dtype)
+        return grad, None, None, None, None
 
 
 class Policy:
@@ -193,15 +264,16 @@ class Policy:
         completion_ids: list[list[int]],
         reference: bool = False,
         micro_batch: int = 64,
+        temperature: float = 1.0,
     ) -> list[list[float]]:
-        """Trainer log-probs of each completion token (no grad), as ragged lists."""
+        """Trainer log-probs of each completion token at `temperature` (no grad), ragged."""
         was_training = self.model.training
         self.model.eval()
         out: list[list[float]] = []
         with self.ref_context() if reference else nullcontext():
             for s in range(0, len(prompt_ids), micro_batch):
                 b = self.batch(prompt_ids[s : s + micro_batch], completion_ids[s : s + micro_batch])
-                logp, _ = completion_logprobs(self.model, b)
+                logp, _ = completion_logprobs(self.model, b, temperature=temperature)
                 for row, c in zip(logp.cpu().tolist(), completion_ids[s : s + micro_batch]):
                     out.append(row[: len(c)])
         self.model.train(was_training)

@@ -207,14 +207,14 @@ class Run:
         Always in eval mode (dropout off), as the samplers score, whatever mode the model was
         left in (eval before the first step, train after it); the mode is restored.
         """
-        policy, out = self.policy, {}
+        policy, out, temp = self.policy, {}, self.cfg.rollout.temperature  # as sampled
         was_training = policy.model.training
         policy.model.eval()
         for kind, kind_rows in (("old", old_rows), ("ref", ref_rows)):
             for c in self._chunks(kind_rows, prompts, roll):
                 b = policy.batch([prompts[i] for i in c], [roll.completion_ids[i] for i in c])
                 with policy.ref_context() if kind == "ref" else contextlib.nullcontext():
-                    logp = completion_logprobs(policy.model, b)[0]  # [n, C]
+                    logp = completion_logprobs(policy.model, b, temperature=temp)[0]  # [n, C]
                 for j, i in enumerate(c):
                     out[(kind, i)] = logp[j]
         policy.model.train(was_training)
@@ -232,7 +232,9 @@ class Run:
         self.optimizer.zero_grad(set_to_none=True)
         for c in self._chunks(mini, prompts, roll):
             b = policy.batch([prompts[i] for i in c], [roll.completion_ids[i] for i in c])
-            logp, entropy = completion_logprobs(policy.model, b, with_entropy=True)  # [n, C]
+            logp, entropy = completion_logprobs(
+                policy.model, b, with_entropy=True, temperature=cfg.rollout.temperature
+            )  # [n, C]: the sampling distribution's
             width, live = logp.shape[1], logp.detach()
             old = _stack([fixed.setdefault(("old", i), live[j]) for j, i in enumerate(c)], width)
             ref = _stack([fixed[("ref", i)] for i in c], width) if ("ref", c[0]) in fixed else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ebpo_lite.policy import completion_logprobs, make_batch
@@ -36,7 +37,106 @@ def test_padded_batch_matches_unpadded_forward():
 
 
 def test_make_batch_rejects_mismatched_lengths():
-    import pytest
 
     with pytest.raises(ValueError, match="2 prompts for 1 completions"):
         make_batch([[1], [2]], [[3]], pad_id=0)
+
+
+# ----------------------------------------------------------------------------- chunked log-probs
+
+
+def _lora_model(dtype=torch.float32):
+    """The tiny model + a LoRA whose B is random, so the adapter's gradients are not trivial."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(build_tiny_model(seed=3), LoraConfig(r=4, target_modules="all-linear"))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return model.to(dtype)
+
+
+def _ragged_batch():
+    tok = build_tokenizer()
+    prompts = [tok.encode(p) for p in ("7+5=", "12*3=", "1-1=", "9*9=")]
+    completions = [tok.encode(c) for c in ("12", "36 and more", "", "81")]
+    return make_batch(prompts, completions, tok.pad_token_id)  # N = 4, C = 11
+
+
+def _reference(model, batch, temperature):
+    """The unchunked computation: fp32 [N, C, V] logits, log-softmax and entropy at once."""
+    width_c = batch.completion_mask.shape[1]
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        logits_to_keep=width_c + 1,
+        use_cache=False,
+    )
+    logits = out.logits[:, :-1].float() / temperature  # [N, C, V]
+    targets = batch.input_ids[:, batch.prompt_width :]  # [N, C]
+    logz = torch.logsumexp(logits, dim=-1)  # [N, C]
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz  # [N, C]
+    with torch.no_grad():
+        entropy = logz - (torch.softmax(logits, -1) * logits).sum(-1)  # [N, C]
+    return logp, entropy
+
+
+def _loss_and_grads(model, logp, batch):
+    weights = torch.linspace(-1.0, 2.0, logp.numel()).reshape(logp.shape)  # [N, C]
+    loss = (logp * weights * batch.completion_mask).sum()
+    params = [p for n, p in model.named_parameters() if "lora_" in n]
+    return torch.autograd.grad(loss, params)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk_rows", [1, 5, 7, 44, 45, 1000, None])  # N * C = 44
+def test_chunked_logprobs_entropy_and_gradients_equal_the_unchunked(temperature, chunk_rows):
+    model, batch = _lora_model(), _ragged_batch()
+    want_logp, want_entropy = _reference(model, batch, temperature)
+    want_grads = _loss_and_grads(model, want_logp, batch)
+    logp, entropy = completion_logprobs(
+        model, batch, with_entropy=True, temperature=temperature, chunk_rows=chunk_rows
+    )
+    grads = _loss_and_grads(model, logp, batch)
+    assert logp.dtype == torch.float32 and logp.shape == want_logp.shape == (4, 11)
+    torch.testing.assert_close(logp, want_logp, rtol=0, atol=2e-6)
+    torch.testing.assert_close(entropy, want_entropy, rtol=0, atol=2e-6)
+    assert not entropy.requires_grad
+    for g, w in zip(grads, want_grads):  # fp32 round-off relative to the largest entry
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-5 * w.abs().max().item())
+    assert max(w.abs().max().item() for w in want_grads) > 1e-2  # the gradients are not trivial
+
+
+def test_temperature_scales_the_logits_and_greedy_scores_at_one():
+    model, batch = _lora_model(), _ragged_batch()
+    with torch.no_grad():
+        at_1 = completion_logprobs(model, batch)[0]
+        at_07, ent_07 = completion_logprobs(model, batch, with_entropy=True, temperature=0.7)
+        at_0 = completion_logprobs(model, batch, temperature=0.0)[0]
+        want_07, want_ent_07 = _reference(model, batch, 0.7)
+    torch.testing.assert_close(at_07, want_07, rtol=0, atol=2e-6)
+    torch.testing.assert_close(ent_07, want_ent_07, rtol=0, atol=2e-6)
+    assert (at_07 - at_1).abs().max() > 0.05  # temperature matters
+    torch.testing.assert_close(at_0, at_1, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        completion_logprobs(model, batch, temperature=-1.0)
+
+
+def test_no_fp32_full_vocabulary_copy_is_kept_for_backward():
+    """A bf16 model: what autograd keeps for the log-probs is the bf16 logits, not fp32 ones."""
+    model, batch = _lora_model(torch.bfloat16), _ragged_batch()
+    n, c = batch.completion_mask.shape
+    kept: list[torch.Tensor] = []
+
+    def pack(t):
+        kept.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logp, _ = completion_logprobs(model, batch, with_entropy=True, chunk_rows=8)
+    big = [t for t in kept if t.shape[-1:] == (128,) and t.numel() >= n * c * 128]  # [N, C+, V]
+    assert big and all(t.dtype == torch.bfloat16 for t in big), [(t.dtype, t.shape) for t in big]
+    logp.sum().backward()  # and backward runs from what was kept

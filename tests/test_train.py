@@ -250,3 +250,44 @@ def test_fresh_run_never_clobbers_checkpoints(tmp_path):
     assert (out / "checkpoints" / "step_1").is_dir()
     train(_cfg(out, **{"train.steps": 2, "train.overwrite": "true"}))
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2"]
+
+
+def test_the_trainer_scores_at_the_rollout_temperature(tmp_path):
+    """Old, reference and updated log-probs are all those of softmax(logits / rollout.temperature).
+
+    The sampler log-probs given to `optimize` are the trainer's own at T = 0.7, so the logged
+    sampler / trainer gap is zero only if the fixed old log-probs use T too; with a negligible
+    learning rate the PPO ratio (update vs old) is 1 and the KL (update vs reference) is 0 only
+    if every call scores at the same temperature.
+    """
+    from ebpo_lite.rollout import Rollout
+    from ebpo_lite.run import build_run
+
+    temp, G = 0.7, 4
+    cfg = _cfg(
+        tmp_path / "run",
+        **{
+            "rollout.temperature": temp,
+            "algo.kl_coef": 0.05,
+            "train.mini_batches": 2,  # old log-probs fixed before the first update
+            "train.lr": 1e-12,
+        },
+    )
+    run = build_run(cfg)
+    try:
+        idx, roll, r, m, _ = run.sample_and_score(1)
+        adv, _ = run.advantages(r, m, run.prior_keys(idx))
+        prompts = [roll.prompt_ids[i // G] for i in range(len(roll.completion_ids))]
+        at = {
+            t: run.policy.token_logprobs(prompts, roll.completion_ids, temperature=t)
+            for t in (temp, 1.0)
+        }
+        roll = Rollout(roll.prompt_ids, roll.completion_ids, at[temp], roll.finished)
+        stats = run.optimize(prompts, roll, adv.reshape(-1), m.reshape(-1))
+    finally:
+        run.backend.close()
+    gap = max(abs(a - b) for ra, rb in zip(at[temp], at[1.0]) for a, b in zip(ra, rb))
+    assert gap > 0.05  # the temperature matters for this model
+    assert stats["rollout/logp_diff_max"] < 1e-5
+    assert stats["train/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert abs(stats["train/kl"]) < 1e-6

