@@ -45,11 +45,19 @@ def test_make_batch_rejects_mismatched_lengths():
 # ----------------------------------------------------------------------------- chunked log-probs
 
 
-def _lora_model(dtype=torch.float32):
+def _lora_model(dtype=torch.float32, hidden_size=None):
     """The tiny model + a LoRA whose B is random, so the adapter's gradients are not trivial."""
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(build_tiny_model(seed=3), LoraConfig(r=4, target_modules="all-linear"))
+    base = build_tiny_model(seed=3)
+    if hidden_size:  # a hidden size unlike the vocabulary's, so shapes tell the two apart
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        from ebpo_lite.tiny import tiny_config_kwargs
+
+        torch.manual_seed(3)
+        base = Qwen3ForCausalLM(Qwen3Config(**{**tiny_config_kwargs(), "hidden_size": hidden_size}))
+    model = get_peft_model(base, LoraConfig(r=4, target_modules="all-linear"))
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -127,7 +135,7 @@ def test_temperature_scales_the_logits_and_greedy_scores_at_one():
 
 def test_no_fp32_full_vocabulary_copy_is_kept_for_backward():
     """A bf16 model: what autograd keeps for the log-probs is the bf16 logits, not fp32 ones."""
-    model, batch = _lora_model(torch.bfloat16), _ragged_batch()
+    model, batch = _lora_model(torch.bfloat16, hidden_size=256), _ragged_batch()
     n, c = batch.completion_mask.shape
     kept: list[torch.Tensor] = []
 

@@ -45,7 +45,8 @@ def _adapter(out, step):
 
 def test_smoke_run_trains_and_logs(tmp_path):
     out = tmp_path / "run"
-    summary = train(_cfg(out, **{"train.checkpoint_every": 2}))
+    # 32 prompts: enough that the briefly warmed model gets groups with a success to learn from
+    summary = train(_cfg(out, **{"train.checkpoint_every": 2, "train.prompts_per_step": 32}))
     recs = read_metrics(out / "metrics.jsonl")
     steps = [r for r in recs if "train/loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
@@ -275,7 +276,8 @@ def test_the_trainer_scores_at_the_rollout_temperature(tmp_path):
     )
     run = build_run(cfg)
     try:
-        idx, roll, r, m, _ = run.sample_and_score(1)
+        sample = run.sample_and_score(1)
+        idx, roll, r, m = sample.idx, sample.rollout, sample.rewards, sample.mask
         adv, _ = run.advantages(r, m, run.prior_keys(idx))
         prompts = [roll.prompt_ids[i // G] for i in range(len(roll.completion_ids))]
         at = {
