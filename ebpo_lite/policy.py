@@ -72,6 +72,21 @@ def default_chunk_rows(vocab_size: int) -> int:
     return max(1, LOGPROB_CHUNK_BYTES // (4 * vocab_size))
 
 
+def completion_logits(model, batch: Batch) -> torch.Tensor:
+    """Logits at the completion positions, in the model's dtype: [N, C + 1, V].
+
+    Position P-1+t predicts completion token t; the last row predicts the token after the batch.
+    """
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        logits_to_keep=batch.completion_mask.shape[1] + 1,
+        use_cache=False,
+    )
+    return out.logits
+
+
 def completion_logprobs(
     model,
     batch: Batch,
@@ -89,15 +104,7 @@ def completion_logprobs(
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    width_c = batch.completion_mask.shape[1]
-    out = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-        logits_to_keep=width_c + 1,
-        use_cache=False,
-    )
-    logits = out.logits  # [N, C + 1, V]: position P-1+t predicts completion token t
+    logits = completion_logits(model, batch)  # [N, C + 1, V]
     targets = batch.input_ids[:, batch.prompt_width :]  # [N, C]
     rows = chunk_rows or default_chunk_rows(logits.shape[-1])
     scale = 1.0 / temperature if temperature > 0 else 1.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ebpo_lite.policy import completion_logprobs, make_batch
+from ebpo_lite.policy import completion_logits, completion_logprobs, make_batch
 from ebpo_lite.tiny import build_tiny_model, build_tokenizer
 
 
@@ -75,15 +75,7 @@ def _ragged_batch():
 
 def _reference(model, batch, temperature):
     """The unchunked computation: fp32 [N, C, V] logits, log-softmax and entropy at once."""
-    width_c = batch.completion_mask.shape[1]
-    out = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-        logits_to_keep=width_c + 1,
-        use_cache=False,
-    )
-    logits = out.logits[:, :-1].float() / temperature  # [N, C, V]
+    logits = completion_logits(model, batch)[:, :-1].float() / temperature  # [N, C, V]
     targets = batch.input_ids[:, batch.prompt_width :]  # [N, C]
     logz = torch.logsumexp(logits, dim=-1)  # [N, C]
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz  # [N, C]
