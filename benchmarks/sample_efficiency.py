@@ -234,10 +234,11 @@ def main() -> None:
     print(f"{len(jobs)} runs, {len(jobs) - len(todo)} already done", flush=True)
     if todo:
         from ebpo_lite import config
-        from ebpo_lite.policy import Policy
+        from ebpo_lite.tiny import warm_tiny_model
 
-        # warm the tiny model once here, so the workers find it cached
-        Policy.from_config(config.load(REPO / "recipes" / "tiny_cpu.yaml", []))
+        # warm the tiny model once here, so the workers find it cached (no policy built)
+        cfg = config.load(REPO / "recipes" / "tiny_cpu.yaml", [])
+        warm_tiny_model(cfg.model.sft_warmup_steps, cfg.model.sft_seed, cfg.data.seed)
         with mp.get_context("spawn").Pool(args.workers) as pool, PARTIAL.open("a") as f:
             for r in pool.imap_unordered(one_run, todo):
                 done[(r["method"], r["group_size"], r["seed"], r["steps"])] = r
