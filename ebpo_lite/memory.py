@@ -28,9 +28,13 @@ T tokens in a micro-batch.
   stays, plus one layer recomputed in backward. Plus the final norm (4h + 4 per token).
   Checked against the bytes autograd actually saves for the tiny model (tests/test_plan.py):
   within 2-8 % above, the excess being layer 0's norm (its input needs no gradient) and masks.
-- Logits: 12 * V bytes per position whose logits are computed: the fp32 copy that logsumexp keeps
-  for backward, then in backward its softmax-weighted gradient and the gather's scattered
-  gradient, all [positions, V] fp32 (the forward's entropy under no_grad peaks alike).
+- Logits (`policy.completion_logprobs`, chunked), P positions whose logits are computed, k rows
+  per chunk (LOGPROB_CHUNK_BYTES / 4V, at most P): the forward holds the model-dtype logits
+  (a*P*V, kept for backward) and LOGPROB_CHUNK_COPIES fp32 [k, V] buffers (upcast logits, then
+  logsumexp's or softmax's); backward holds the logits, their gradient (2a*P*V) and one chunk's
+  fp32 buffer plus, for a 16-bit model, its rows in that dtype. The peak is the larger phase;
+  never an fp32 [P, V] copy. Checked against torch's allocator (tests/test_plan.py;
+  benchmarks/logprob_memory.py at V = 151,936).
 - KV cache: 2 * L * kv * (KV dtype bytes) per token; `eval_sequence_bytes` adds what one
   sequence of transformers `generate` holds besides (the eval's chunk size comes from it).
 """
@@ -48,7 +52,8 @@ from ebpo_lite.errors import UserError
 GIB = 2**30
 NF4_BLOCK, NF4_DQ_BLOCK = 64, 256
 NF4_TENSOR_BYTES = 16 * 4 + 256 * 4 + 4  # NF4 code book, 8-bit absmax code book, offset
-LOGITS_BYTES_PER_VALUE = 12
+LOGPROB_CHUNK_BYTES = 256 * 2**20  # policy.completion_logprobs: one fp32 chunk [rows, V]
+LOGPROB_CHUNK_COPIES = 2  # fp32 [rows, V] buffers alive at once while a chunk is computed
 ASSUME_AUTOCAST = False  # peft's fp32 copies of LoRA inputs vanish under torch.autocast
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -287,5 +292,16 @@ def activation_bytes(
     return arch.num_hidden_layers * one_layer + head
 
 
-def logits_bytes(arch: Arch, tokens: int) -> int:
-    return tokens * arch.vocab_size * LOGITS_BYTES_PER_VALUE
+def logprob_chunk_rows(vocab_size: int) -> int:
+    """Rows per chunk of `policy.completion_logprobs`: one fp32 [rows, V] in LOGPROB_CHUNK_BYTES."""
+    return max(1, LOGPROB_CHUNK_BYTES // (4 * vocab_size))
+
+
+def logits_bytes(arch: Arch, positions: int, a: int) -> int:
+    """Logits, log-probs and their gradient for `positions` kept positions (module docstring)."""
+    v = arch.vocab_size
+    rows = min(positions, logprob_chunk_rows(v))
+    gathered = a if a < 4 else 0  # an fp32 model's gathered rows are the upcast copy itself
+    forward = positions * v * a + rows * v * 4 * LOGPROB_CHUNK_COPIES
+    backward = positions * v * 2 * a + rows * v * (4 + gathered)
+    return max(forward, backward)

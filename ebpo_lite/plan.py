@@ -12,7 +12,8 @@ The per-model arithmetic (weights, NF4, LoRA, activations, logits, KV cache) is 
 - trainer: frozen base (NF4 or 16-bit) + LoRA params, gradients (fp32) and AdamW states (2 x fp32)
   + activations and logits of one micro-batch (train.micro_batch_size sequences of
   data.max_prompt_tokens + rollout.max_new_tokens tokens: the worst case; logits only for the
-  max_new_tokens + 1 completion positions, as `policy.completion_logprobs` asks for them);
+  max_new_tokens + 1 completion positions, as `policy.completion_logprobs` asks for them, in the
+  model's dtype with their gradient, plus one fp32 chunk of rows for the log-softmax);
 - sampler: hf: transformers generate (up to 256 prompts x G sequences per call) holds their KV
   cache and, with output_logits, every generated step's fp32 logits [steps, sequences, V];
   vllm: its own base copy (NF4 when model.load_in_4bit, as vLLM's in-flight bitsandbytes
@@ -50,7 +51,8 @@ from ebpo_lite.errors import UserError
 from ebpo_lite.memory import (
     ASSUME_AUTOCAST,
     GIB,
-    LOGITS_BYTES_PER_VALUE,
+    LOGPROB_CHUNK_BYTES,
+    LOGPROB_CHUNK_COPIES,
     Arch,
     activation_bytes,
     arch_for,
@@ -226,7 +228,7 @@ def _dynamic(cfg: Any, c: dict[str, Any], micro_batch: int, checkpointing: bool)
     act = activation_bytes(
         arch, c["a"], cfg.model.lora_rank, c["targets"], micro_batch, seq, checkpointing, c["attn"]
     )
-    return (act + logits_bytes(arch, micro_batch * c["logit_rows"])) / GIB
+    return (act + logits_bytes(arch, micro_batch * c["logit_rows"], c["a"])) / GIB
 
 
 def _best_micro_batch(
@@ -322,7 +324,7 @@ def plan(cfg: Any, gpu_gb: float, gpu_name: str | None = None) -> dict[str, Any]
     c, m, r = _components(cfg, arch), cfg.model, cfg.rollout
     lay, n_seqs, seq = c["layout"], c["n_seqs"], c["seq"]
     mb = min(cfg.train.micro_batch_size, n_seqs)
-    logits = logits_bytes(arch, mb * c["logit_rows"]) / GIB
+    logits = logits_bytes(arch, mb * c["logit_rows"], c["a"]) / GIB
     act = {ck: _dynamic(cfg, c, mb, ck) - logits for ck in (False, True)}
     dyn = act[m.gradient_checkpointing] + logits
     kv_full = n_seqs * c["kv_seq"] if lay.uses_vllm else 0.0
@@ -394,7 +396,8 @@ def plan(cfg: Any, gpu_gb: float, gpu_name: str | None = None) -> dict[str, Any]
             "safety_gib": SAFETY_GIB,
             "nf4": "blocksize 64, double quant",
             "autocast": ASSUME_AUTOCAST,
-            "logits_bytes_per_value": LOGITS_BYTES_PER_VALUE,
+            "logprob_chunk_bytes": LOGPROB_CHUNK_BYTES,
+            "logprob_chunk_fp32_copies": LOGPROB_CHUNK_COPIES,
         },
     }
     p["eval_chunk_prompts"] = _eval_chunk(cfg, c, gpu_gb, reserved)
@@ -484,7 +487,7 @@ def format_table(p: dict[str, Any]) -> str:
             f"without {p['activations_no_checkpointing_gb']:.2f}",
             None,
         ),
-        ("trainer", f"logits, {mb} x {p['logit_rows']} positions (fp32)", p["logits_gb"]),
+        ("trainer", f"logits + grad, {mb} x {p['logit_rows']} positions", p["logits_gb"]),
         ("trainer", "HF generate KV cache + logits", p["hf_generation_gb"]),
         ("vLLM", "base copy", p["vllm_weights_gb"]),
         ("vLLM", "LoRA buffers", p["vllm_lora_gb"]),

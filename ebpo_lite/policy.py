@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ebpo_lite.errors import UserError
+from ebpo_lite.memory import logprob_chunk_rows
 
 if TYPE_CHECKING:
     from ebpo_lite.config import Config
@@ -64,14 +65,6 @@ def make_batch(
     return Batch(ids.to(device), attn.to(device), pos.to(device), cmask.to(device), width_p)
 
 
-LOGPROB_CHUNK_BYTES = 256 * 2**20  # one fp32 chunk of logits, [chunk_rows, V], is at most this
-
-
-def default_chunk_rows(vocab_size: int) -> int:
-    """Rows per chunk so that one fp32 [rows, V] copy stays within LOGPROB_CHUNK_BYTES."""
-    return max(1, LOGPROB_CHUNK_BYTES // (4 * vocab_size))
-
-
 def completion_logits(model, batch: Batch) -> torch.Tensor:
     """Logits at the completion positions, in the model's dtype: [N, C + 1, V].
 
@@ -100,13 +93,14 @@ def completion_logprobs(
     temperature T (before any top-p / top-k / min-p truncation); the entropy is that
     distribution's, without gradient. T = 0 (greedy) is scored at 1, as vLLM does.
     Both are computed in chunks of `chunk_rows` of the N * C positions (default: one fp32 chunk
-    within LOGPROB_CHUNK_BYTES), so no fp32 [N, C, V] copy is ever made; see `_ChunkedLogProbs`.
+    within `memory.LOGPROB_CHUNK_BYTES`), so no fp32 [N, C, V] copy is ever made
+    (`_ChunkedLogProbs`).
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     logits = completion_logits(model, batch)  # [N, C + 1, V]
     targets = batch.input_ids[:, batch.prompt_width :]  # [N, C]
-    rows = chunk_rows or default_chunk_rows(logits.shape[-1])
+    rows = chunk_rows or logprob_chunk_rows(logits.shape[-1])
     scale = 1.0 / temperature if temperature > 0 else 1.0
     logp, entropy = _ChunkedLogProbs.apply(logits, targets, scale, rows, with_entropy)
     return logp, (entropy if with_entropy else None)
@@ -120,8 +114,9 @@ class _ChunkedLogProbs(torch.autograd.Function):
     Forward: logp = z[y] - lse, entropy = lse - sum softmax(z) * z (no gradient).
     Backward: d logp / d x = s * (onehot(y) - softmax(z)), recomputed per chunk from the saved
     x and lse. Only x (which the model made anyway), lse and one gradient the size of x stay
-    alive; fp32 exists for one chunk at a time. Autograd through `.float()`, `logsumexp` and
-    `gather` would instead keep the fp32 [N, C, V] copy and build two more of it in backward.
+    alive; fp32 exists for one chunk at a time (the per-chunk helpers free it on return).
+    Autograd through `.float()`, `logsumexp` and `gather` would instead keep the fp32 [N, C, V]
+    copy and build more of it in backward.
     """
 
     @staticmethod
@@ -131,14 +126,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
         logp = torch.empty(flat_y.shape, dtype=torch.float32, device=logits.device)  # [N*C]
         lse = torch.empty_like(logp)  # [N*C]
         entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)  # [N*C] or [0]
-        for s in range(0, flat_y.numel(), chunk_rows):
-            idx = torch.arange(s, min(s + chunk_rows, flat_y.numel()), device=logits.device)  # [k]
-            z = logits[idx // width, idx % width].float().mul_(scale)  # [k, V] (a copy)
-            lse[idx] = torch.logsumexp(z, dim=-1)  # [k]
-            logp[idx] = z.gather(-1, flat_y[idx, None]).squeeze(-1) - lse[idx]  # [k]
-            if with_entropy:
-                p = torch.softmax(z, dim=-1)  # [k, V]
-                entropy[idx] = lse[idx] - p.mul_(z).sum(-1)  # [k]
+        for idx in _chunks(flat_y.numel(), chunk_rows, logits.device):
+            _forward_chunk(logits, flat_y, idx, width, scale, logp, lse, entropy)
         ctx.save_for_backward(logits, targets, lse)
         ctx.scale, ctx.chunk_rows = scale, chunk_rows
         entropy = entropy.view(n_seq, width) if with_entropy else entropy  # [N, C] or [0]
@@ -151,14 +140,37 @@ class _ChunkedLogProbs(torch.autograd.Function):
         width = targets.shape[1]
         flat_y, g = targets.reshape(-1), grad_logp.reshape(-1).float()  # [N*C], [N*C]
         grad = torch.zeros_like(logits)  # [N, L, V]
-        for s in range(0, flat_y.numel(), ctx.chunk_rows):
-            idx = torch.arange(s, min(s + ctx.chunk_rows, flat_y.numel()), device=logits.device)
-            n, t = idx // width, idx % width  # [k], [k]
-            z = logits[n, t].float().mul_(ctx.scale)  # [k, V] (a copy)
-            gz = z.sub_(lse[idx, None]).exp_().mul_(-g[idx, None])  # [k, V]: -g * softmax(z)
-            gz[torch.arange(idx.numel(), device=idx.device), flat_y[idx]] += g[idx]  # + g onehot
-            grad[n, t] = gz.mul_(ctx.scale).to(grad.dtype)
+        for idx in _chunks(flat_y.numel(), ctx.chunk_rows, logits.device):
+            grad[idx // width, idx % width] = _grad_chunk(
+                logits, flat_y, lse, g, idx, width, ctx.scale
+            )
         return grad, None, None, None, None
+
+
+def _chunks(rows: int, chunk_rows: int, device) -> list[torch.Tensor]:
+    """Flat position indices [k] of each chunk of `chunk_rows` (the last one shorter)."""
+    return [
+        torch.arange(s, min(s + chunk_rows, rows), device=device)
+        for s in range(0, rows, chunk_rows)
+    ]
+
+
+def _forward_chunk(logits, flat_y, idx, width, scale, logp, lse, entropy) -> None:
+    """Fill logp[idx], lse[idx] (and entropy[idx] when it has room) from one chunk of rows."""
+    z = logits[idx // width, idx % width].float().mul_(scale)  # [k, V] (a copy)
+    lse[idx] = torch.logsumexp(z, dim=-1)  # [k]
+    logp[idx] = z.gather(-1, flat_y[idx, None]).squeeze(-1) - lse[idx]  # [k]
+    if entropy.numel():
+        p = torch.softmax(z, dim=-1)  # [k, V]
+        entropy[idx] = lse[idx] - p.mul_(z).sum(-1)  # [k]
+
+
+def _grad_chunk(logits, flat_y, lse, g, idx, width, scale) -> torch.Tensor:
+    """d(sum g * logp) / d logits on one chunk of rows: [k, V] in the logits' dtype."""
+    z = logits[idx // width, idx % width].float().mul_(scale)  # [k, V] (a copy)
+    gz = z.sub_(lse[idx, None]).exp_().mul_(-g[idx, None])  # [k, V]: -g * softmax(z)
+    gz[torch.arange(idx.numel(), device=idx.device), flat_y[idx]] += g[idx]  # + g * onehot(y)
+    return gz.mul_(scale).to(logits.dtype)
 
 
 class Policy:

@@ -267,6 +267,49 @@ def test_checkpointed_forward_keeps_layer_inputs_only():
     assert forward == pytest.approx(_saved_bytes(torch.bfloat16, "sdpa", True), rel=0.01)
 
 
+def _microbatch_peak_bytes(model, batch) -> int:
+    """Allocator peak (torch.profiler memory events) of one training micro-batch, above start."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ebpo_lite.policy import completion_logprobs
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        logp, entropy = completion_logprobs(model, batch, with_entropy=True)  # [N, C]
+        (logp * batch.completion_mask).sum().backward()
+        del logp, entropy
+    live = peak = 0
+    events = prof.profiler.kineto_results.events()
+    for e in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logits_and_activations_against_the_allocator_peak_at_qwen3_vocabulary(dtype):
+    """Qwen3's 151,936-token vocabulary, 2 x 300 completion positions: 2 chunks of 441 rows."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from ebpo_lite.memory import logits_bytes
+    from ebpo_lite.policy import make_batch
+
+    spec = dict(vocab_size=151_936, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=64)  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**spec, attn_implementation="sdpa")).to(dtype)
+    model = get_peft_model(model, LoraConfig(r=16, target_modules="all-linear")).train()
+    gen = torch.Generator().manual_seed(0)
+    ids = [torch.randint(4, 151_936, (n,), generator=gen).tolist() for n in (20, 299, 299)]
+    batch = make_batch([ids[0], ids[0][:10]], ids[1:], pad_id=0)  # N = 2, P = 20, C = 299
+    a = 4 if dtype == torch.float32 else 2
+    arch = arch_from_config({"model_type": "qwen3", **spec}, "x", "x")
+    act = activation_bytes(arch, a, 16, LINEARS, 2, 20 + 299, False, "sdpa")
+    logits = logits_bytes(arch, 2 * 300, a)
+    measured = _microbatch_peak_bytes(model, batch)
+    assert act + logits == pytest.approx(measured, rel=0.02)  # measured: within 0.1 %
+
+
 # ----------------------------------------------------------------------------- the plan
 
 
@@ -283,8 +326,11 @@ def test_plan_components_for_the_flagship_recipe():
     # vLLM KV cache: 16 prompts * 8 = 128 sequences * (256 + 512) tokens * 147,456 B = 13.5 GiB
     assert p["vllm_kv_cache_gb"] == pytest.approx(13.5)
     assert p["vllm_weights_gb"] == pytest.approx(p["policy_weights_gb"])  # NF4 in vLLM too
-    # logits: 4 sequences * 513 kept positions * 151,936 * 12 bytes
-    assert p["logits_gb"] == pytest.approx(4 * 513 * 151_936 * 12 / GIB)
+    # logits: 4 sequences * 513 kept positions = 2,052; chunks of 268,435,456 // (4 * 151,936)
+    #   = 441 rows; backward (the larger phase): bf16 logits + gradient 2,052 * 151,936 * 2 * 2
+    #   + one chunk's fp32 buffer and bf16 rows 441 * 151,936 * (4 + 2)
+    #   (forward: 2,052 * 151,936 * 2 + 441 * 151,936 * 2 * 4, smaller)
+    assert p["logits_gb"] == pytest.approx((2052 * 151_936 * 4 + 441 * 151_936 * 6) / GIB)
     assert p["activations_gb"] == p["activations_checkpointing_gb"]
     assert p["activations_no_checkpointing_gb"] > 10 * p["activations_checkpointing_gb"]
     # generation phase: one CUDA context (in-process vLLM) + 1.1 * static + vLLM, all at once
@@ -330,7 +376,7 @@ def test_recommendations_are_the_largest_that_fit():
             24.0,
             "set model.load_in_4bit=true",
         ),
-        (["train.micro_batch_size=64"], 24.0, "lower train.micro_batch_size to 8"),
+        (["train.micro_batch_size=64"], 24.0, "lower train.micro_batch_size to 16"),
         (["model.gradient_checkpointing=false"], 24.0, "enable model.gradient_checkpointing"),
         (["rollout.gpu_memory_utilization=0.9"], 24.0, "set rollout.gpu_memory_utilization=0.6"),
         ([], 15.0, "vLLM cannot fit next to the trainer"),
