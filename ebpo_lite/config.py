@@ -97,6 +97,9 @@ class AlgoConfig:
     prior_key: str | None = None  # example field for the hierarchical prior: topic | difficulty
     min_count: int = 8
     tau2_min: float = 1e-6
+    leave_one_out: bool = False  # ebpo: each completion's baseline leaves its own reward out
+    prompt_prior: bool = False  # ebpo: shrink toward the prompt's posterior from earlier visits
+    prompt_capacity: int = 1_000_000  # prompt_prior: most prompts remembered (least recent go)
     # loss
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
@@ -368,6 +371,13 @@ def validate(cfg: Config) -> None:
     _one_of(a.sigma2, ("total", "within"), "algo.sigma2")
     _check(a.decay is None or 0 < a.decay < 1, "algo.decay", f"must be in (0, 1), got {a.decay}")
     _check(a.min_count >= 1, "algo.min_count", "must be >= 1")
+    _check(a.prompt_capacity >= 1, "algo.prompt_capacity", "must be >= 1")
+    for flag in ("leave_one_out", "prompt_prior"):
+        _check(
+            not getattr(a, flag) or a.estimator == "ebpo",
+            f"algo.{flag}",
+            f"is an option of algo.estimator=ebpo, not {a.estimator}",
+        )
     _check(a.clip_eps_low >= 0, "algo.clip_eps_low", "must be >= 0")
     _check(a.clip_eps_high >= 0, "algo.clip_eps_high", "must be >= 0")
     _one_of(a.loss_agg, ("token_mean", "seq_mean", "dr_grpo"), "algo.loss_agg")

@@ -88,7 +88,7 @@ class Run:
         """The EB prior's step 1 with every drawn group (ALGORITHM.md: W_r receives every reward)."""
         if self.prior is not None:
             keys = self.prior_keys(sample.drawn_idx)
-            self.prior.observe(sample.drawn_rewards, sample.drawn_mask, keys)
+            self.prior.observe(sample.drawn_rewards, sample.drawn_mask, keys, sample.drawn_idx)
 
     def _draw(self, n: int, step: int, draw: int):
         idx = self.sampler.next_batch(n)
@@ -140,16 +140,20 @@ class Run:
         exs = [self.train_examples[i] for i in idx]
         return [getattr(ex, key, None) if hasattr(ex, key) else ex.meta.get(key) for ex in exs]
 
-    def advantages(self, r: torch.Tensor, m: torch.Tensor, keys) -> tuple[torch.Tensor, dict]:
-        """Advantages [B, G] of the kept groups; the prior has observed the step (`observe`)."""
+    def advantages(
+        self, r: torch.Tensor, m: torch.Tensor, idx: list[int]
+    ) -> tuple[torch.Tensor, dict]:
+        """Advantages [B, G] of the kept groups (training-example indices `idx`, which are also
+        the prompt ids of `algo.prompt_prior`); the prior has observed the step (`observe`)."""
         return compute_advantages(
             self.cfg.algo.estimator,
             r,
             prior=self.prior,
             mask=m,
-            keys=keys,
+            keys=self.prior_keys(idx),
             grpo_scale=self.cfg.algo.grpo_scale,
             observe=False,
+            prompts=idx,
         )
 
     # ------------------------------------------------------------------ optimisation
@@ -331,6 +335,9 @@ def build_run(cfg: config.Config) -> Run:
             decay=a.decay,
             min_count=a.min_count,
             tau2_min=a.tau2_min,
+            leave_one_out=a.leave_one_out,
+            prompt_prior=a.prompt_prior,
+            prompt_capacity=a.prompt_capacity,
         )
         if a.estimator == "ebpo"
         else None

@@ -40,7 +40,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     t_rollout = time.perf_counter() - t0
     # 2. the EB prior observes every drawn group, then advantages for the kept ones
     run.observe(sample)
-    adv, adv_stats = run.advantages(rewards, mask, run.prior_keys(sample.idx))  # [B, G]
+    adv, adv_stats = run.advantages(rewards, mask, sample.idx)  # [B, G]
     # 3. loss and gradients over micro-batches, num_iterations passes over the rollout
     t1 = time.perf_counter()
     prompts = [rollout.prompt_ids[i // G] for i in range(len(rollout.completion_ids))]

@@ -278,7 +278,7 @@ def test_the_trainer_scores_at_the_rollout_temperature(tmp_path):
     try:
         sample = run.sample_and_score(1)
         idx, roll, r, m = sample.idx, sample.rollout, sample.rewards, sample.mask
-        adv, _ = run.advantages(r, m, run.prior_keys(idx))
+        adv, _ = run.advantages(r, m, idx)
         prompts = [roll.prompt_ids[i // G] for i in range(len(roll.completion_ids))]
         at = {
             t: run.policy.token_logprobs(prompts, roll.completion_ids, temperature=t)
