@@ -16,6 +16,18 @@ After `warmup` steps we measure, against the true theta of every prompt:
                        the JSON as rel_mse_oracle_theory)
 Reported: MSE of the group mean and each estimator's MSE relative to it (< 1 = better).
 
+Part 2 (issue 12): the baselines as control variates of a policy gradient, with prompts that
+come back. After `warmup` steps of fresh prompts (the global prior settles), a pool of K * B
+prompts is visited cyclically, `visits` times each, so every prompt's k-th visit has k earlier
+ones. Each prompt is a Bernoulli policy with logit l and pass rate theta: the score of y is
+y - theta, the true gradient of theta w.r.t. l is theta (1 - theta), and a baseline V_i gives
+    g_hat = (1 / G) sum_i (R_i - V_i) (R_i - theta)            (one prompt, G completions)
+For each baseline - group mean (GRPO / Dr. GRPO), leave-one-out mean (RLOO), paper EB, EB
+leave-one-out, EB prompt prior, EB leave-one-out + prompt prior (the real `ebpo_advantages`, its
+V read back with center=False) - and each visit count k: the baseline's MSE against theta, the
+bias ratio E[g_hat] / E[theta (1 - theta)] (1 = unbiased) and the gradient's MSE
+E[(g_hat - theta (1 - theta))^2], relative to the group mean's.
+
 Usage: .venv/bin/python benchmarks/theory_mse.py [--steps 150 --warmup 30 --B 64 --seeds 3]
 Writes benchmarks/results/theory_mse.json and theory_mse.md (the command and machine included).
 """
@@ -31,7 +43,7 @@ from pathlib import Path
 import torch
 from _machine import command, machine
 
-from ebpo_lite.advantages import EBPrior, ebpo_advantages
+from ebpo_lite.advantages import EBPO_EPS, EBPrior, ebpo_advantages
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {
@@ -80,6 +92,89 @@ def run_cell(a: float, b: float, G: int, args: argparse.Namespace, seed: int) ->
             n += args.B
     T = args.steps - args.warmup
     return {"mse": {c: x / n for c, x in sq.items()}, "S": {v: x / T for v, x in S_sum.items()}}
+
+
+GRAD_PRIORS = {
+    "eb_paper": {},
+    "eb_loo": {"leave_one_out": True},
+    "eb_prompt": {"prompt_prior": True},
+    "eb_loo_prompt": {"leave_one_out": True, "prompt_prior": True},
+}
+GRAD_COLUMNS = ["group_mean", "loo_mean", *GRAD_PRIORS]
+VISITS_SHOWN = (0, 1, 2, 4, 8)
+
+
+def gradient_cell(a: float, b: float, G: int, args: argparse.Namespace, seed: int) -> dict:
+    """Per baseline and visit count k: sums of baseline and gradient errors over the pool."""
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    torch.manual_seed(10_000 + seed)
+    beta = torch.distributions.Beta(torch.tensor(float(a)), torch.tensor(float(b)))
+    B, K = args.B, args.pool_steps
+    fresh = beta.sample((args.warmup, B)).to(torch.float64).clamp(0.0, 1.0)  # [W, B]
+    pool = beta.sample((K * B,)).to(torch.float64).clamp(0.0, 1.0)  # [K B]
+    priors = {v: EBPrior(center=False, **o) for v, o in GRAD_PRIORS.items()}
+    # per baseline and k: sums of [(V - theta)^2, g, g_hat, (g_hat - g)^2, n, g_hat^2, g_hat g, g^2]
+    acc: dict[str, dict[int, list[float]]] = {c: {} for c in GRAD_COLUMNS}
+    steps = args.warmup + K * args.visits
+    for t in range(steps):
+        if t < args.warmup:
+            theta, ids, k = fresh[t], list(range(-(t + 1) * B, -t * B)), None
+        else:
+            j = (t - args.warmup) % K
+            theta, ids, k = (
+                pool[j * B : (j + 1) * B],
+                list(range(j * B, (j + 1) * B)),
+                (t - args.warmup) // K,
+            )
+        R = torch.bernoulli(theta[:, None].expand(-1, G), generator=gen)  # [B, G]
+        mean_g = R.mean(dim=1, keepdim=True)  # [B, 1]
+        Vs = {
+            "group_mean": mean_g.expand(-1, G),
+            "loo_mean": (R.sum(1, keepdim=True) - R) / (G - 1),
+        }
+        for v, prior in priors.items():
+            A, st = ebpo_advantages(R, prior, prompts=ids)
+            Vs[v] = R - A * (st["raw_std"] + EBPO_EPS)  # [B, G]
+        if k is None:
+            continue
+        g_true = theta * (1 - theta)  # [B]
+        for c, V in Vs.items():
+            g_hat = ((R - V) * (R - theta[:, None])).mean(dim=1)  # [B]
+            row = acc[c].setdefault(k, [0.0] * 8)
+            row[0] += (V - theta[:, None]).pow(2).mean(dim=1).sum().item()
+            row[1] += g_true.sum().item()
+            row[2] += g_hat.sum().item()
+            row[3] += (g_hat - g_true).pow(2).sum().item()
+            row[4] += B
+            row[5] += g_hat.pow(2).sum().item()
+            row[6] += (g_hat * g_true).sum().item()
+            row[7] += g_true.pow(2).sum().item()
+    return acc
+
+
+def summarise_gradient(a: float, b: float, G: int, runs: list[dict]) -> dict:
+    """Pool the seeds: per visit k and baseline, MSE of V, bias ratio, gradient MSE (relative)."""
+    by_k = {}
+    for k in sorted(runs[0]["group_mean"]):
+        tot = {c: [sum(r[c][k][i] for r in runs) for i in range(8)] for c in GRAD_COLUMNS}
+
+        def scaled(x: list[float]) -> float:
+            """MSE of g_hat / bias_ratio: the noise left once the overall scale is undone."""
+            c = x[2] / x[1]
+            return (x[5] / c**2 - 2 * x[6] / c + x[7]) / x[4]
+
+        base = tot["group_mean"]
+        by_k[k] = {
+            c: {
+                "mse_baseline": x[0] / x[4],
+                "bias_ratio": x[2] / x[1],
+                "grad_mse": x[3] / x[4],
+                "rel_grad_mse": x[3] / base[3],
+                "rel_scaled_grad_mse": scaled(x) / scaled(base),
+            }
+            for c, x in tot.items()
+        }
+    return {"a": a, "b": b, "G": G, "by_visit": by_k}
 
 
 def summarise(a: float, b: float, G: int, runs: list[dict]) -> dict:
@@ -152,7 +247,71 @@ def to_markdown(out: dict) -> str:
         )
     lines += ["", "Summary (computed by the script):", ""]
     lines += [f"- {s}" for s in out["summary"]]
+    if out.get("gradient"):
+        lines += gradient_markdown(out["gradient"], (0, 2, 8))
+        lines += ["", "Summary of part 2 (computed by the script):", ""]
+        lines += [f"- {s}" for s in out["gradient_summary"]]
     return "\n".join(lines) + "\n"
+
+
+GRAD_HOW_TO_READ = """\
+**How to read (part 2).** Each cell is `scaled / raw relative gradient MSE (bias ratio)` for one
+baseline. Raw: the MSE of the per-prompt policy-gradient estimate divided by that with the
+group-mean baseline (below 1 = a better control variate). Bias ratio: E[g_hat] / E[true gradient]
+(1 = unbiased; the group mean gives (G - 1) / G). A baseline that shrinks every gradient by the
+same factor lowers the raw MSE without helping an optimiser that normalises the scale (Adam, the
+advantage whitening), so `scaled` is the MSE of g_hat / (bias ratio), relative to the group
+mean's scaled MSE: the noise and the per-prompt distortion that remain. `k` is the number of earlier visits of the prompt (the prompt prior
+has k * G of its completions). `MSE V` is the baseline's own MSE against theta for EB prompt
+prior + leave-one-out. The policy does not change between visits here, so the prompt's history
+never goes stale; in training it does (the `decay` option down-weights it).
+"""
+
+
+def gradient_markdown(grads: list[dict], shown: tuple[int, ...]) -> list[str]:
+    names = ["group mean", "LOO mean (RLOO)", "EB paper", "EB LOO", "EB prompt", "EB LOO+prompt"]
+    lines = [
+        "",
+        "## Part 2: the baselines as policy-gradient control variates, prompts revisited",
+        "",
+        GRAD_HOW_TO_READ,
+        "| Beta(a, b) | G | k | " + " | ".join(names) + " | MSE V (LOO+prompt) |",
+        "|---" * (4 + len(names)) + "|",
+    ]
+    for c in grads:
+        for k in shown:
+            if k not in c["by_visit"]:
+                continue
+            r = c["by_visit"][k]
+            cells = [
+                f"{r[n]['rel_scaled_grad_mse']:.3f} / {r[n]['rel_grad_mse']:.3f} "
+                f"({r[n]['bias_ratio']:.3f})"
+                for n in GRAD_COLUMNS
+            ]
+            lines.append(
+                f"| ({c['a']:g}, {c['b']:g}) | {c['G']} | {k} | "
+                + " | ".join(cells)
+                + f" | {r['eb_loo_prompt']['mse_baseline']:.4f} |"
+            )
+    return lines
+
+
+def gradient_summary(grads: list[dict]) -> list[str]:
+    out = []
+    for k in (0, max(grads[0]["by_visit"])):
+        best = {}
+        for c in grads:
+            r = c["by_visit"][k]
+            w = min(GRAD_COLUMNS, key=lambda n: r[n]["rel_scaled_grad_mse"])
+            best[w] = best.get(w, 0) + 1
+        out.append(
+            f"lowest scaled gradient MSE at k = {k} earlier visits, over {len(grads)} (shape, G) cells: "
+            + ", ".join(f"{n} {m}" for n, m in sorted(best.items(), key=lambda x: -x[1]))
+        )
+    for n in GRAD_COLUMNS:
+        ratios = [c["by_visit"][0][n]["bias_ratio"] for c in grads]
+        out.append(f"bias ratio of {n} at k = 0: {min(ratios):.3f} to {max(ratios):.3f}")
+    return out
 
 
 def summary_lines(cells: list[dict]) -> list[str]:
@@ -179,6 +338,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--grad-G", default="2,4,8,16", help="G of part 2")
+    ap.add_argument("--grad-seeds", type=int, default=6, help="seeds of part 2")
+    ap.add_argument("--pool-steps", type=int, default=8, help="part 2: steps between visits")
+    ap.add_argument("--visits", type=int, default=9, help="part 2: visits of each pool prompt")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/theory_mse"), help="no suffix")
     args = ap.parse_args()
     if not 0 <= args.warmup < args.steps:
@@ -196,15 +359,40 @@ def main() -> None:
             print(f"Beta({a:g},{b:g}) G={G:2d}: mse_mean {c['mse_group_mean']:.4f} "
                   + " ".join(f"{k} {v:.3f}" for k, v in c["rel_mse"].items())
                   + f" (oracle theory {c['rel_mse_oracle_theory']:.3f})", flush=True)  # fmt: skip
+    grads = []
+    for a, b in shapes:
+        for G in (int(g) for g in args.grad_G.split(",")):
+            runs = [gradient_cell(a, b, G, args, seed) for seed in range(args.grad_seeds)]
+            grads.append(summarise_gradient(a, b, G, runs))
+            r0 = grads[-1]["by_visit"][0]
+            print(f"part 2 Beta({a:g},{b:g}) G={G:2d} k=0: "
+                  + " ".join(f"{n} {r0[n]['rel_scaled_grad_mse']:.3f}" for n in GRAD_COLUMNS),
+                  flush=True)  # fmt: skip
     ses = [v for c in cells for v in c["rel_mse_se"].values() if v == v]
     out = {
         "command": command(),
         "machine": machine(),
-        "params": {k: getattr(args, k) for k in ("shapes", "G", "B", "steps", "warmup", "seeds")},
+        "params": {
+            k: getattr(args, k)
+            for k in (
+                "shapes",
+                "G",
+                "B",
+                "steps",
+                "warmup",
+                "seeds",
+                "grad_G",
+                "grad_seeds",
+                "pool_steps",
+                "visits",
+            )
+        },
         "seconds": round(time.perf_counter() - t0, 1),
         "max_se": max(ses) if ses else float("nan"),
         "cells": cells,
         "summary": summary_lines(cells),
+        "gradient": grads,
+        "gradient_summary": gradient_summary(grads),
     }
     Path(args.out + ".json").write_text(json.dumps(out, indent=2) + "\n")
     Path(args.out + ".md").write_text(to_markdown(out))

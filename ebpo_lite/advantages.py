@@ -33,20 +33,25 @@ options - tau2, sigma2, center, decay, keys - are documented in `ebprior`)
                          mean_-i = (n_b mean_g - R_i) / (n_b - 1)
                          S' = (sigma2 / (n_b - 1)) / (sigma2 / (n_b - 1) + tau2)
                          V_i = (1 - S') mean_-i + S' mu
-                     With G = 2 this is the other sample shrunk toward the prior. Why: the policy
-                     gradient (1/n) sum_i (R_i - V_i) grad log pi(y_i) is unbiased iff V_i is
-                     independent of y_i given the prompt. The paper's V = (1 - S) mean_g + S mu
-                     holds R_i with weight (1 - S) / n, so E[(R_i - V) grad log pi(y_i)] =
-                     (1 - (1 - S) / n) grad J: a per-group rescaling that depends on S and n_b,
-                     i.e. a reweighting of prompts, and a baseline correlated with the reward it is
-                     subtracted from. V_i leaves y_i out, so the expectation is grad J exactly
-                     (treating mu, S and the batch whitening, which see each reward with weight
-                     O(1 / (B G)), as constants). The price is variance: mean_-i averages n_b - 1
-                     samples, not n_b; the shrinkage S' > S gives part of it back. For plain
-                     baselines leave-one-out only rescales (R_i - mean_g = (n-1)/n (R_i - mean_-i),
-                     Dr. GRPO vs RLOO); with shrinkage it changes the direction too.
-                     tests/test_advantages.py checks the unbiasedness by exact enumeration and
-                     benchmarks/theory_mse.py by Monte Carlo.
+                     With G = 2 this is the other sample shrunk toward the prior.
+                     Bias: the policy gradient (1/n) sum_i (R_i - V_i) grad log pi(y_i) is unbiased
+                     iff V_i is independent of y_i given the prompt. The paper's baseline holds R_i
+                     with weight (1 - S) / n, so its expected gradient is (1 - (1 - S) / n) grad J;
+                     V_i leaves y_i out and gives grad J (treating mu, S and the batch whitening,
+                     which see each reward with weight O(1 / (B G)), as constants).
+                     What it changes, exactly: with kappa = sigma2 / spread (S = kappa / (kappa +
+                     n), S' = kappa / (kappa + n - 1)), the paper's raw advantage is
+                         R_i - V = c_b (R_i - V_i),   c_b = (n_b - 1 + S) / n_b,
+                     because (1 - S)(n - 1) / (n - 1 + S) = 1 - S'. Leave-one-out is the paper
+                     estimator with group b's weight divided by c_b, nothing else: the same
+                     direction within a group, and one scalar for the batch when every group has
+                     the same n_b and S (no mask, keys or prompt_prior), which the whitening of
+                     step 6 then removes, so the advantages equal the paper's there (up to its eps).
+                     It matters where S or n_b differ between groups (masked completions, prior_key,
+                     prompt_prior): it stops the paper's up-weighting of the groups it shrinks most.
+                     The same holds without shrinkage (Dr. GRPO = (n - 1) / n RLOO).
+                     tests/test_ebpo_options.py checks the unbiasedness by exact enumeration and the
+                     identity; benchmarks/theory_mse.py measures both by Monte Carlo.
     prompt_prior     the prompt's own earlier visits refine its prior. The prior (global or keyed)
                      says a prompt's mean reward is ~ N(mu, tau2) and a reward is that mean plus
                      noise of variance sigma2; the prompt's history (m completions scored at earlier

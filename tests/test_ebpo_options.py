@@ -162,3 +162,28 @@ def test_prompt_prior_needs_prompt_ids():
         ebpo_advantages(HISTORY, EBPrior(prompt_prior=True), prompts=[1.5, 2, 3])
     with pytest.raises(ValueError, match="EBPrior.leave_one_out"):
         EBPrior(leave_one_out=1)
+
+
+def test_leave_one_out_is_the_paper_advantage_reweighted_per_group():
+    """R_i - V_paper = c_b (R_i - V_loo) with c_b = (n_b - 1 + S_b) / n_b (module docstring):
+    identical whitened advantages when all groups share n and S, different with a mask."""
+    R = torch.tensor([[1.0, 0.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]], dtype=F64)
+    for center in (True, False):
+        loo, paper = EBPrior(center=center, leave_one_out=True), EBPrior(center=center)
+        for step in range(3):
+            A1, _ = ebpo_advantages(R.roll(step, 0), loo)
+            A2, _ = ebpo_advantages(R.roll(step, 0), paper)
+            # equal but for the whitening's eps = 1e-6, which the factor c does not scale
+            torch.testing.assert_close(A1, A2, rtol=1e-5, atol=1e-5)
+    # raw advantages, per group: the factor c_b, read off the paper's S
+    prior_p, prior_l = primed(), primed(leave_one_out=True)
+    S = ebpo_advantages(R, primed(), observe=False)[1]["shrinkage"]
+    raw_p = R - baselines(R, prior_p)
+    raw_l = R - baselines(R, prior_l)
+    torch.testing.assert_close(raw_p, (4 - 1 + S) / 4 * raw_l, rtol=0, atol=1e-12)
+    # a mask (groups of 4 and 3) makes c_b differ between groups: the whitened advantages differ
+    M = torch.ones_like(R, dtype=torch.bool)
+    M[2, 3] = False
+    A1, _ = ebpo_advantages(R, EBPrior(leave_one_out=True), mask=M)
+    A2, _ = ebpo_advantages(R, EBPrior(), mask=M)
+    assert (A1 - A2).abs().max() > 1e-3
