@@ -15,7 +15,12 @@ prompt stream. Methods:
 - `ebpo`: the paper variant on shuffled data; `ebpo_topic`, `ebpo_difficulty`: the paper's two
   orders (`curriculum.sampler`);
 - `ebpo_nocenter`, `ebpo_moments` (`tau2=moments`, `sigma2=within`), `ebpo_decay` (`decay=0.99`),
-  `ebpo_key_topic` (`prior_key=topic`): the beyond-paper options of ALGORITHM.md section 3.
+  `ebpo_key_topic` (`prior_key=topic`): the beyond-paper options of ALGORITHM.md section 3;
+- `ebpo_loo` (`leave_one_out`), `ebpo_prompt` (`prompt_prior`), `ebpo_loo_prompt` (both): the
+  options of `ebpo_lite.advantages` beyond ALGORITHM.md; `grpo_adaptive`,
+  `ebpo_loo_prompt_adaptive` (`curriculum.sampler=adaptive`) and `ebpo_loo_prompt_dapo` (dynamic
+  sampling as in `dapo`) tell estimator gains from sampling gains
+  (benchmarks/beyond_paper.py tabulates them against `grpo` and `ebpo`).
 
 Per run: held-out exact expected accuracy and greedy accuracy (256 problems) every 25 steps;
 `final_accuracy` (expected accuracy after the last step), `auc` (mean gain in expected accuracy
@@ -59,6 +64,24 @@ METHODS: dict[str, list[str]] = {
     "ebpo_moments": ["algo.estimator=ebpo", "algo.tau2=moments", "algo.sigma2=within"],
     "ebpo_decay": ["algo.estimator=ebpo", "algo.decay=0.99"],
     "ebpo_key_topic": ["algo.estimator=ebpo", "algo.prior_key=topic"],
+    # issue 12: options beyond the paper and beyond ALGORITHM.md, then with the two samplers
+    "ebpo_loo": ["algo.estimator=ebpo", "algo.leave_one_out=true"],
+    "ebpo_prompt": ["algo.estimator=ebpo", "algo.prompt_prior=true"],
+    "ebpo_loo_prompt": ["algo.estimator=ebpo", "algo.leave_one_out=true", "algo.prompt_prior=true"],
+    "grpo_adaptive": ["algo.estimator=grpo", "curriculum.sampler=adaptive"],
+    "ebpo_loo_prompt_adaptive": [
+        "algo.estimator=ebpo",
+        "algo.leave_one_out=true",
+        "algo.prompt_prior=true",
+        "curriculum.sampler=adaptive",
+    ],
+    "ebpo_loo_prompt_dapo": [
+        "algo.estimator=ebpo",
+        "algo.leave_one_out=true",
+        "algo.prompt_prior=true",
+        "curriculum.dynamic_sampling=true",
+        "curriculum.max_extra_draws=0",
+    ],
 }
 # two-sided 95% quantiles of Student's t for 1..30 degrees of freedom
 T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
