@@ -103,7 +103,7 @@ class AlgoConfig:
     # loss
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
-    loss_agg: str = "token_mean"  # token_mean | seq_mean | dr_grpo
+    loss_agg: str = "token_mean"  # token_mean | seq_mean | token_sum_norm (Dr. GRPO's)
     kl_coef: float = 0.0  # k3 KL to the adapter-disabled base
     num_iterations: int = 1  # optimisation passes over one rollout batch
     is_correction: str = "token"  # none | token | sequence: sampler/trainer mismatch correction
@@ -380,7 +380,13 @@ def validate(cfg: Config) -> None:
         )
     _check(a.clip_eps_low >= 0, "algo.clip_eps_low", "must be >= 0")
     _check(a.clip_eps_high >= 0, "algo.clip_eps_high", "must be >= 0")
-    _one_of(a.loss_agg, ("token_mean", "seq_mean", "dr_grpo"), "algo.loss_agg")
+    _check(
+        a.loss_agg != "dr_grpo",
+        "algo.loss_agg",
+        "'dr_grpo' is now 'token_sum_norm' (Dr. GRPO's constant normaliser); "
+        "algo.estimator=dr_grpo is the advantage",
+    )
+    _one_of(a.loss_agg, ("token_mean", "seq_mean", "token_sum_norm"), "algo.loss_agg")
     _check(a.kl_coef >= 0, "algo.kl_coef", f"must be >= 0, got {a.kl_coef}")
     _check(a.num_iterations >= 1, "algo.num_iterations", "must be >= 1")
     _one_of(a.is_correction, ("none", "token", "sequence"), "algo.is_correction")

@@ -21,12 +21,15 @@ Per token (all detached except `logp`):
     kl_t   = exp(ref_logp - logp) - (ref_logp - logp) - 1                 Schulman's k3, >= 0
     loss   = agg(l) + kl_coef * agg(kl)
 Aggregations `agg(x)` over valid tokens:
-    token_mean: sum_{i,t} m x / sum_{i,t} m             (DAPO; long sequences weigh more)
-    seq_mean:   mean_i [ sum_t m x / sum_t m ]           (GRPO paper; sequences with no valid token
-                                                          count as 0 in the mean over all N, as TRL)
-    dr_grpo:    sum_{i,t} m x / (N * max_tokens)         (Dr. GRPO: a constant normaliser)
+    token_mean:     sum_{i,t} m x / sum_{i,t} m         (DAPO; long sequences weigh more)
+    seq_mean:       mean_i [ sum_t m x / sum_t m ]       (GRPO paper; sequences with no valid
+                                                          token count as 0 in the mean over all N,
+                                                          as TRL)
+    token_sum_norm: sum_{i,t} m x / (N * max_tokens)     (Dr. GRPO's constant normaliser; TRL's
+                                                          loss_type="dr_grpo". `dr_grpo` names only
+                                                          the advantage estimator here)
 
-Sampler / trainer mismatch (`is_mode`): vLLM's log-probs differ from the trainer's, so the rollout
+Sampler / trainer mismatch (`is_correction`): vLLM's log-probs differ from the trainer's, so the rollout
 is slightly off-policy. Following Yao et al., "Your efficient RL framework secretly brings you
 off-policy RL training" (2025) and verl's TIS, the surrogate of each token is multiplied by the
 truncated, detached ratio w. `"token"`: w per token. `"sequence"`: one w per sequence from the MEAN
@@ -50,7 +53,7 @@ from __future__ import annotations
 
 import torch
 
-AGGREGATIONS = ("token_mean", "seq_mean", "dr_grpo")
+AGGREGATIONS = ("token_mean", "seq_mean", "token_sum_norm")
 IS_MODES = ("none", "token", "sequence")
 
 
@@ -82,10 +85,10 @@ def aggregate(
     if agg == "seq_mean":
         per_seq = (x * m).sum(dim=1) / m.sum(dim=1).clamp_min(1e-8)  # [N]
         return per_seq.mean()
-    if agg == "dr_grpo":
+    if agg == "token_sum_norm":
         if max_tokens is None or max_tokens < 1:
             raise ValueError(
-                f"max_tokens: dr_grpo needs a constant normaliser >= 1, got {max_tokens}"
+                f"max_tokens: token_sum_norm needs a constant normaliser >= 1, got {max_tokens}"
             )
         return (x * m).sum() / (x.shape[0] * max_tokens)
     raise ValueError(f"agg: unknown aggregation {agg!r}; expected one of {', '.join(AGGREGATIONS)}")
@@ -99,11 +102,11 @@ def microbatch_weight(
     `tokens` (the sum of the micro-batch's mask) and `seqs` (its n) describe the micro-batch,
     `total_tokens` and `total_seqs` the whole batch; plain numbers, so the trainer can count them
     on the host without a device sync. token_mean: tokens / total_tokens; seq_mean and
-    dr_grpo: seqs / total_seqs.
+    token_sum_norm: seqs / total_seqs.
     """
     if agg == "token_mean":
         return float(tokens) / max(float(total_tokens), 1e-8)
-    if agg in ("seq_mean", "dr_grpo"):
+    if agg in ("seq_mean", "token_sum_norm"):
         return seqs / max(total_seqs, 1)
     raise ValueError(f"agg: unknown aggregation {agg!r}; expected one of {', '.join(AGGREGATIONS)}")
 
@@ -124,7 +127,7 @@ def truncated_is_weights(
     elif mode == "sequence":
         w = torch.exp(masked_mean(log_ratio, mask, dim=1))[:, None].expand_as(log_ratio)  # [N, T]
     else:
-        raise ValueError(f"is_mode: expected 'token' or 'sequence' here, got {mode!r}")
+        raise ValueError(f"is_correction: expected 'token' or 'sequence' here, got {mode!r}")
     return w.clamp(max=cap)
 
 
@@ -147,7 +150,7 @@ def _check(
 
 
 def _check_options(
-    eps_low: float, eps_high: float, agg: str, kl_coef: float, is_mode: str, is_cap: float
+    eps_low: float, eps_high: float, agg: str, kl_coef: float, is_correction: str, is_cap: float
 ) -> None:
     if eps_low < 0 or eps_high < 0:
         raise ValueError(f"clip_eps_low / clip_eps_high: must be >= 0, got {eps_low}, {eps_high}")
@@ -157,8 +160,10 @@ def _check_options(
         )
     if kl_coef < 0:
         raise ValueError(f"kl_coef: must be >= 0, got {kl_coef}")
-    if is_mode not in IS_MODES:
-        raise ValueError(f"is_mode: expected one of {', '.join(IS_MODES)}, got {is_mode!r}")
+    if is_correction not in IS_MODES:
+        raise ValueError(
+            f"is_correction: expected one of {', '.join(IS_MODES)}, got {is_correction!r}"
+        )
     if not is_cap > 0:
         raise ValueError(f"is_cap: must be > 0, got {is_cap}")
 
@@ -175,7 +180,7 @@ def policy_loss(
     ref_logp: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     sampler_logp: torch.Tensor | None = None,
-    is_mode: str = "none",
+    is_correction: str = "none",
     is_cap: float = 2.0,
     max_tokens: int | None = None,
     sync_stats: bool = True,
@@ -188,16 +193,18 @@ def policy_loss(
     over valid tokens; 0 without `ref_logp`), `clip_frac` (= `clip_frac_low` + `clip_frac_high`,
     fraction of valid tokens where the clip is active), `ratio_mean` (of r_t); with `sampler_logp`
     also `is_ratio_min/mean/max` (untruncated per-token exp(old_logp - sampler_logp)),
-    `is_weight_mean` (applied weights; 1 with is_mode none), `logp_diff_mean/max`
+    `is_weight_mean` (applied weights; 1 with is_correction none), `logp_diff_mean/max`
     (|sampler_logp - old_logp|). Over an empty mask ratios read 1 and differences 0.
     """
     _check(logp, old_logp, adv, mask, {"ref_logp": ref_logp, "sampler_logp": sampler_logp})
-    _check_options(clip_eps_low, clip_eps_high, agg, kl_coef, is_mode, is_cap)
-    if is_mode != "none" and sampler_logp is None:
-        raise ValueError(f"sampler_logp: is_mode={is_mode!r} needs the sampler's log-probs")
-    if agg == "dr_grpo" and (max_tokens is None or max_tokens < logp.shape[1]):
+    _check_options(clip_eps_low, clip_eps_high, agg, kl_coef, is_correction, is_cap)
+    if is_correction != "none" and sampler_logp is None:
         raise ValueError(
-            f"max_tokens: dr_grpo needs a constant normaliser >= the {logp.shape[1]} token "
+            f"sampler_logp: is_correction={is_correction!r} needs the sampler's log-probs"
+        )
+    if agg == "token_sum_norm" and (max_tokens is None or max_tokens < logp.shape[1]):
+        raise ValueError(
+            f"max_tokens: token_sum_norm needs a constant normaliser >= the {logp.shape[1]} token "
             f"positions (the rollout's max_new_tokens), got {max_tokens}"
         )
 
@@ -214,8 +221,10 @@ def policy_loss(
     ratio = torch.exp(new - old)  # [N, T]
     clipped = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)  # [N, T]
     surr = torch.minimum(ratio * a, clipped * a)  # [N, T]
-    if is_mode != "none":
-        surr = surr * truncated_is_weights(old, clean(sampler_logp.detach()), m, is_mode, is_cap)
+    if is_correction != "none":
+        surr = surr * truncated_is_weights(
+            old, clean(sampler_logp.detach()), m, is_correction, is_cap
+        )
     pg_loss = aggregate(-surr, m, agg, max_tokens)
     loss = pg_loss
 
@@ -238,7 +247,9 @@ def policy_loss(
         names.append("ratio_mean")
         values.append(_or_default(masked_mean(ratio, valid), valid, 1.0))
         if sampler_logp is not None:
-            more = _mismatch_stats(old, clean(sampler_logp.detach()), m, valid, is_mode, is_cap)
+            more = _mismatch_stats(
+                old, clean(sampler_logp.detach()), m, valid, is_correction, is_cap
+            )
             names += list(more)
             values += list(more.values())
         flat = torch.stack([v.float().reshape(()).to(logp.device) for v in values])
@@ -251,17 +262,17 @@ def _mismatch_stats(
     sampler: torch.Tensor,
     m: torch.Tensor,
     valid: torch.Tensor,
-    is_mode: str,
+    is_correction: str,
     is_cap: float,
 ) -> dict[str, torch.Tensor]:
     """Importance ratios and |log-prob gaps| between trainer and sampler over valid tokens."""
     log_ratio = old - sampler  # [N, T]
     ratio = torch.exp(log_ratio)  # [N, T]
     diff = log_ratio.abs()  # [N, T] 0 on padding
-    if is_mode == "none":
+    if is_correction == "none":
         weight = torch.ones((), device=old.device)
     else:
-        weight = masked_mean(truncated_is_weights(old, sampler, m, is_mode, is_cap), valid)
+        weight = masked_mean(truncated_is_weights(old, sampler, m, is_correction, is_cap), valid)
     inf = torch.tensor(float("inf"), device=old.device)
     return {
         "is_ratio_min": _or_default(torch.where(valid, ratio, inf).amin(), valid, 1.0),

@@ -1,6 +1,6 @@
 """Everything one training run holds, and the mechanics the loop in `train.py` calls.
 
-`build_run(cfg)` loads data, policy, sampler backend, rewards, curriculum, EB prior, optimizer
+`build_run(cfg)` loads data, policy, rollout backend, rewards, curriculum, EB prior, optimizer
 and schedule. The methods are the phases of a step (sample and score, advantages, optimize,
 save); the order of the phases lives in `train.train_step` only.
 """
@@ -49,7 +49,7 @@ class Run:
     prompt_ids: list[list[int]]  # per training example
     reward_fns: list[tuple[str, Any]]
     reward_weights: list[float]
-    sampler: Any  # curriculum.PromptSampler
+    curriculum: Any  # curriculum.PromptSampler: which prompts come next (not the rollout)
     prior: EBPrior | None
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -66,7 +66,7 @@ class Run:
         cfg = self.cfg
         B, G = cfg.train.prompts_per_step, cfg.rollout.group_size
         idx, roll, r, m = self._draw(B, step, 0)
-        self.sampler.update(idx, curriculum_rewards(r, m))
+        self.curriculum.update(idx, curriculum_rewards(r, m))
         drawn = (idx, r, m)
         extra = 0
         if cfg.curriculum.dynamic_sampling:
@@ -74,7 +74,7 @@ class Run:
             while int(keep.sum()) < B and extra < cfg.curriculum.max_extra_draws:
                 extra += 1
                 i2, roll2, r2, m2 = self._draw(B, step, extra)
-                self.sampler.update(i2, curriculum_rewards(r2, m2))
+                self.curriculum.update(i2, curriculum_rewards(r2, m2))
                 idx, roll = idx + i2, _concat(roll, roll2)
                 r, m = torch.cat([r, r2]), torch.cat([m, m2])
                 keep = torch.cat([keep, curriculum.informative_groups(r2, m2)])
@@ -91,7 +91,7 @@ class Run:
             self.prior.observe(sample.drawn_rewards, sample.drawn_mask, keys, sample.drawn_idx)
 
     def _draw(self, n: int, step: int, draw: int):
-        idx = self.sampler.next_batch(n)
+        idx = self.curriculum.next_batch(n)
         seed = draw_seed(self.cfg.train.seed, step, draw)
         roll = self.backend.generate(
             [self.prompt_ids[i] for i in idx], self.cfg.rollout.group_size, seed=seed
@@ -256,7 +256,7 @@ class Run:
                 ref_logp=ref,
                 kl_coef=a.kl_coef,
                 sampler_logp=slp,
-                is_mode=a.is_correction if slp is not None else "none",
+                is_correction=a.is_correction if slp is not None else "none",
                 is_cap=a.is_cap,
                 max_tokens=cfg.rollout.max_new_tokens,
                 sync_stats=False,
@@ -280,7 +280,7 @@ class Run:
             self.optimizer,
             self.scheduler,
             self.prior,
-            self.sampler,
+            self.curriculum,
             keep=self.cfg.train.keep_checkpoints,
         )
 
@@ -294,7 +294,7 @@ class Run:
             )
             return 0
         state = checkpoint.load(
-            path, self.policy, self.optimizer, self.scheduler, self.prior, self.sampler
+            path, self.policy, self.optimizer, self.scheduler, self.prior, self.curriculum
         )
         self.backend.sync(self.policy, version=state["step"])
         print(f"resumed from {path} (step {state['step']})", flush=True)
@@ -315,7 +315,7 @@ def build_run(cfg: config.Config) -> Run:
     policy = Policy.from_config(cfg)
     prompt_ids = data.encode_prompts(policy.tokenizer, train_ex, cfg.data)
     fns, weights = reward_functions(cfg)
-    sampler = curriculum.make_sampler(
+    prompt_sampler = curriculum.make_sampler(
         cfg.curriculum.sampler,
         len(train_ex),
         cfg.train.seed,
@@ -361,7 +361,7 @@ def build_run(cfg: config.Config) -> Run:
         prompt_ids,
         fns,
         weights,
-        sampler,
+        prompt_sampler,
         prior,
         optimizer,
         scheduler,
@@ -482,7 +482,7 @@ def _pad(rows: list[list[float]], width: int) -> torch.Tensor:
 
 
 def curriculum_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Rewards [B, G] for `sampler.update`: NaN where unscorable, which samplers skip (a reward
+    """Rewards [B, G] for `Run.curriculum.update`: NaN where unscorable, which samplers skip (a reward
     of None is no evidence of failure)."""
     return torch.where(mask, rewards, torch.full_like(rewards, math.nan))  # [B, G]
 

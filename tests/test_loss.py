@@ -47,8 +47,8 @@ def test_ratio_one_equal_lengths_gives_minus_mean_advantage():
         # per-token loss -A: seq 0 has 3 tokens of -1, seq 1 has 2 tokens of +2
         ("token_mean", None, (-3 + 4) / 5),  # = 0.2: tokens weighed equally
         ("seq_mean", None, (-1 + 2) / 2),  # = 0.5: per-seq means -1 and 2
-        ("dr_grpo", 4, (-3 + 4) / (2 * 4)),  # = 0.125: N * max_tokens = 8
-        ("dr_grpo", 3, (-3 + 4) / (2 * 3)),
+        ("token_sum_norm", 4, (-3 + 4) / (2 * 4)),  # = 0.125: N * max_tokens = 8
+        ("token_sum_norm", 3, (-3 + 4) / (2 * 3)),
     ],
 )
 def test_aggregations_on_unequal_lengths(agg, max_tokens, expected):
@@ -60,7 +60,7 @@ def test_aggregations_on_unequal_lengths(agg, max_tokens, expected):
     weights = {
         "token_mean": torch.tensor([[1 / 5] * 3, [1 / 5, 1 / 5, 0]]),
         "seq_mean": torch.tensor([[1 / 6] * 3, [1 / 4, 1 / 4, 0]]),
-        "dr_grpo": torch.tensor([[1.0] * 3, [1.0, 1.0, 0]]) / (2 * (max_tokens or 1)),
+        "token_sum_norm": torch.tensor([[1.0] * 3, [1.0, 1.0, 0]]) / (2 * (max_tokens or 1)),
     }[agg]
     torch.testing.assert_close(logp.grad, -ADV[:, None] * weights)
 
@@ -138,7 +138,13 @@ def test_sequence_is_weight_uses_the_mean_log_ratio():
     torch.testing.assert_close(w[:, 0], torch.full((2,), math.exp(0.1)))
     logp = old.clone().requires_grad_()
     loss, stats = policy_loss(
-        logp, old, torch.ones(2), mask, agg="seq_mean", sampler_logp=sampler, is_mode="sequence"
+        logp,
+        old,
+        torch.ones(2),
+        mask,
+        agg="seq_mean",
+        sampler_logp=sampler,
+        is_correction="sequence",
     )
     assert loss.item() == pytest.approx(-math.exp(0.1))  # both sequences weighed exp(0.1)
     assert stats["is_weight_mean"] == pytest.approx(math.exp(0.1))
@@ -153,7 +159,7 @@ def test_token_is_weights_cap_and_stats():
     sampler = -torch.tensor([[0.0, math.log(1.5), math.log(3.0), -math.log(2.0)]])
     logp = old.clone().requires_grad_()
     loss, stats = policy_loss(
-        logp, old, torch.ones(1), torch.ones(1, 4), sampler_logp=sampler, is_mode="token"
+        logp, old, torch.ones(1), torch.ones(1, 4), sampler_logp=sampler, is_correction="token"
     )
     assert loss.item() == pytest.approx(-(1 + 1.5 + 2 + 0.5) / 4)
     assert stats["is_ratio_min"] == pytest.approx(0.5)
@@ -185,7 +191,7 @@ def test_padding_values_are_ignored_and_empty_mask_is_harmless():
     loss.backward()
     assert torch.isfinite(logp.grad).all() and logp.grad[1, 2] == 0.0
     empty = torch.zeros(2, 3, dtype=torch.bool)
-    loss, stats = policy_loss(logp, old, ADV, empty, sampler_logp=old, is_mode="token")
+    loss, stats = policy_loss(logp, old, ADV, empty, sampler_logp=old, is_correction="token")
     assert loss.item() == 0.0
     assert stats["is_ratio_min"] == stats["is_ratio_max"] == stats["ratio_mean"] == 1.0
     assert stats["logp_diff_max"] == 0.0 and stats["clip_frac"] == 0.0
@@ -198,7 +204,7 @@ def test_microbatch_weights_recover_the_full_batch_loss():
     old = logp + torch.randn(n, t) * 0.05
     adv = torch.randn(n)
     mask = torch.arange(t)[None, :] < torch.tensor([5, 1, 3, 4, 2, 5])[:, None]
-    for agg in ("token_mean", "seq_mean", "dr_grpo"):
+    for agg in ("token_mean", "seq_mean", "token_sum_norm"):
         full, _ = policy_loss(logp, old, adv, mask, agg=agg, max_tokens=t)
         parts = 0.0
         for sl in (slice(0, 2), slice(2, 6)):
@@ -223,10 +229,10 @@ def test_helpers_masked_mean_entropy_aggregate():
     h = token_entropy_from_logits(torch.tensor([[[1.0, 1.0, -1e9, -1e9]]], dtype=torch.bfloat16))
     assert h.dtype == torch.float32 and h.item() == pytest.approx(math.log(2), abs=1e-6)
     with pytest.raises(ValueError, match="max_tokens"):
-        aggregate(x, mask, "dr_grpo")
+        aggregate(x, mask, "token_sum_norm")
     with pytest.raises(ValueError, match="agg"):
         aggregate(x, mask, "sum")
-    with pytest.raises(ValueError, match="is_mode"):
+    with pytest.raises(ValueError, match="is_correction"):
         truncated_is_weights(x, x, mask, "none", 2.0)
 
 
@@ -247,11 +253,11 @@ def test_errors_name_the_argument():
         ({"sampler_logp": old[:1]}, "sampler_logp"),
         ({"clip_eps_low": -0.1}, "clip_eps_low"),
         ({"agg": "sum"}, "agg"),
-        ({"agg": "dr_grpo"}, "max_tokens"),
-        ({"agg": "dr_grpo", "max_tokens": 2}, "max_tokens"),
+        ({"agg": "token_sum_norm"}, "max_tokens"),
+        ({"agg": "token_sum_norm", "max_tokens": 2}, "max_tokens"),
         ({"kl_coef": -1.0}, "kl_coef"),
-        ({"is_mode": "seq"}, "is_mode"),
-        ({"is_mode": "token"}, "sampler_logp"),
+        ({"is_correction": "seq"}, "is_correction"),
+        ({"is_correction": "token"}, "sampler_logp"),
         ({"is_cap": 0.0}, "is_cap"),
     ]
     for override, name in cases:

@@ -50,7 +50,7 @@ def test_dynamic_sampling_feeds_every_drawn_group_to_the_prior_and_curriculum(tm
         },
     )
     rec = train_step(run, 1)
-    drawn = run.sampler.batches * B  # every next_batch call draws B prompts
+    drawn = run.curriculum.batches * B  # every next_batch call draws B prompts
     assert rec["train/extra_draws"] >= 1 and drawn == (1 + rec["train/extra_draws"]) * B
     # ALGORITHM.md section 2: W_r receives every reward, W_mu every group mean (dropped ones too)
     acc = run.prior.glob.acc
@@ -62,7 +62,7 @@ def test_dynamic_sampling_feeds_every_drawn_group_to_the_prior_and_curriculum(tm
         (mu, sigma2, tau2)
     )
     # the adaptive curriculum learnt from every drawn completion, dropped prompts included
-    assert run.sampler.trials.sum() == drawn * G
+    assert run.curriculum.trials.sum() == drawn * G
     assert rec["train/groups_drawn"] == drawn and rec["train/groups_kept"] < drawn
 
 
@@ -88,7 +88,7 @@ def test_unscorable_completions_are_not_failures_for_the_adaptive_curriculum(tmp
     assert rec["train/unscored_frac"] == pytest.approx(
         seen["none"] / (seen["none"] + seen["scored"])
     )
-    s = run.sampler
+    s = run.curriculum
     assert s.trials.sum() == seen["scored"] and s.successes.sum() == seen["successes"]
     # an all-unscorable prompt keeps its prior Beta(1, 1): alpha and beta unchanged
     alpha, beta = s.posterior()

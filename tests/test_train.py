@@ -105,7 +105,7 @@ def test_resume_is_exact(tmp_path):
     "extra",
     [
         {"algo.estimator": "grpo"},
-        {"algo.estimator": "dr_grpo", "algo.loss_agg": "dr_grpo"},
+        {"algo.estimator": "dr_grpo", "algo.loss_agg": "token_sum_norm"},
         {"algo.estimator": "rloo", "algo.loss_agg": "seq_mean"},
         {"algo.prior_key": "topic", "algo.min_count": 2, "curriculum.sampler": "topic"},
         {"curriculum.sampler": "difficulty", "algo.tau2": "moments", "algo.center": "false"},
