@@ -424,7 +424,7 @@ def validate(cfg: Config) -> None:
     _check(e.num_examples >= 0, "eval.num_examples", "must be >= 0")
     _check(e.k >= 1, "eval.k", "must be >= 1")
     _check(e.temperature >= 0, "eval.temperature", "must be >= 0")
-    from ebpo_lite.mathdata import BENCHMARKS
+    from ebpo_lite.presets import BENCHMARKS
 
     for name in e.benchmarks:
         _one_of(name, ("arithmetic", *BENCHMARKS), "eval.benchmarks")

@@ -1,6 +1,7 @@
 """Training and evaluation prompts.
 
-`Example` is the one record every part of the project passes around. Two sources:
+`Example` (ebpo_lite.example) is the one record every part of the project passes around. Two
+sources:
 - `arithmetic`: a generated task for the built-in tiny model (addition, subtraction and
   multiplication of small numbers). Each example carries a `topic` (add / sub / mul) and a
   `difficulty` level (1-3, see `_arithmetic_problem`), so the topic and difficulty curricula and the
@@ -15,24 +16,16 @@ import dataclasses
 import random
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ebpo_lite.errors import ConfigError
+from ebpo_lite.example import Example
+from ebpo_lite.prompts import format_prompt
 
 if TYPE_CHECKING:
     from ebpo_lite.config import DataConfig
 
 TOPICS = ("add", "sub", "mul")
-
-
-@dataclass(frozen=True)
-class Example:
-    prompt: str  # the user's question (chat-templated later for chat models)
-    answer: str  # the gold final answer, as a string
-    topic: str | None = None
-    difficulty: float | None = None  # higher = harder: a level, or 1 - pass rate from labels
-    meta: dict[str, Any] = field(default_factory=dict)  # other columns, passed to rewards
 
 
 def _arithmetic_problem(rng: random.Random, topic: str) -> tuple[int, int]:
@@ -171,10 +164,9 @@ def _encode(tokenizer, ex: Example, cfg: DataConfig, raw: bool | None, truncate:
     """(token ids, whether the question was truncated to fit `max_prompt_tokens`)."""
     if is_arithmetic(cfg) if raw is None else raw:
         return tokenizer.encode(ex.prompt, add_special_tokens=False), False
-    from ebpo_lite import mathdata
 
     def encode(question: str) -> list[int]:
-        text = mathdata.format_prompt(
+        text = format_prompt(
             tokenizer, dataclasses.replace(ex, prompt=question), cfg.system_prompt, cfg.thinking
         )
         return tokenizer.encode(text, add_special_tokens=False)

@@ -60,7 +60,7 @@ def label(args: argparse.Namespace) -> Path:
 
     from ebpo_lite import config, data, rewards
     from ebpo_lite.eval import append_jsonl, load_policy, make_sampler, read_jsonl
-    from ebpo_lite.mathdata import prompt_digest
+    from ebpo_lite.prompts import prompt_digest
     from ebpo_lite.run import reward_functions
 
     cfg = config.load(args.recipe, args.overrides)

@@ -185,7 +185,7 @@ def eval_examples(
     timeout_s: float,
 ) -> list[dict[str, Any]]:
     """k completions for each of `examples` in one `generate` call: one record per problem."""
-    from ebpo_lite.mathdata import prompt_digest
+    from ebpo_lite.prompts import prompt_digest
 
     roll = sampler.generate(
         prompts, k, seed=seed, temperature=temperature, max_new_tokens=max_new_tokens
@@ -252,11 +252,11 @@ def load_policy(cfg: Config, ckpt: Path | None, log: Callable[[str], None] = pri
     """The run's policy with the checkpoint's trainable tensors (LoRA and any trained norms)."""
     from safetensors.torch import load_file
 
-    from ebpo_lite.policy import Policy
+    from ebpo_lite.run import load_policy as build_policy
 
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    policy = Policy.from_config(cfg, log=log)
+    policy = build_policy(cfg, log=log)
     if ckpt is not None:
         try:
             state = load_file(ckpt / "trainable.safetensors")
@@ -352,7 +352,7 @@ def run_benchmark(args, cfg, policy, sampler, bench: str, partial: Path, done: d
     """All records of one benchmark, generating only the problems not yet in `partial`."""
     from tqdm import tqdm
 
-    from ebpo_lite.mathdata import prompt_digest
+    from ebpo_lite.prompts import prompt_digest
 
     examples = benchmark_examples(bench, cfg.data)[: args.limit or None]
     for i, ex in enumerate(examples):
@@ -417,7 +417,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     benches = [b.strip() for b in args.benchmark.split(",") if b.strip()]
     if not benches:
         raise UserError("--benchmark: name at least one benchmark")
-    from ebpo_lite.mathdata import BENCHMARKS
+    from ebpo_lite.presets import BENCHMARKS
 
     known = ("arithmetic", *BENCHMARKS)
     for b in benches:

@@ -37,7 +37,6 @@ row's short scalar fields go to `meta` (long texts such as solutions are left ou
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -46,8 +45,18 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ebpo_lite.data import Example
 from ebpo_lite.errors import UserError
+from ebpo_lite.example import Example, Examples
+from ebpo_lite.presets import (
+    BENCHMARKS,
+    EVAL_FOR,
+    HUB_CONFIGS,
+    HUB_IDS,
+    HUB_SPLITS,
+    LOCAL_FILES,
+    PRESETS,
+)
+from ebpo_lite.prompts import prompt_digest
 from ebpo_lite.rewards.extract import normalize_gold
 
 if TYPE_CHECKING:
@@ -55,50 +64,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
-PRESETS = tuple(
-    "auto generic gsm8k math math500 aime amc23 olympiadbench dapo_math deepscaler".split()
-)
-# preset name used as data.name -> (split -> file under the data root); "*" = any split
-_LOCAL = {
-    "gsm8k": {"train": "gsm8k/train.jsonl", "test": "gsm8k/test.jsonl"},
-    "math": {"train": "math_train/math.json", "test": "math500/test.jsonl"},
-    "math500": {"*": "math500/test.jsonl"},
-    "aime": {"train": "aime_1983_2023/aime.json", "test": "aime24/test.jsonl"},
-    "aime24": {"*": "aime24/test.jsonl"},
-    "aime25": {"*": "aime25/test.jsonl"},
-    "amc23": {"*": "amc23/test.jsonl"},
-    "olympiadbench": {"*": "olympiadbench/test.jsonl"},
-}
-_HUB = {  # preset name -> hub id (used when the local copy is absent)
-    "gsm8k": "openai/gsm8k:main",
-    "math500": "HuggingFaceH4/MATH-500",
-    "dapo_math": "BytedTsinghua-SIA/DAPO-Math-17k",
-    "deepscaler": "agentica-org/DeepScaleR-Preview-Dataset",
-}
-_HUB_CONFIGS = {"openai/gsm8k": "main"}
-_HUB_SPLITS = {"math500": "test"}  # hub copies that only have a test split
-BENCHMARKS = {  # name -> (file under the data root, preset)
-    "math500": ("math500/test.jsonl", "math500"),
-    "aime24": ("aime24/test.jsonl", "aime"),
-    "aime25": ("aime25/test.jsonl", "aime"),
-    "amc23": ("amc23/test.jsonl", "amc23"),
-    "olympiadbench": ("olympiadbench/test.jsonl", "olympiadbench"),
-    "gsm8k": ("gsm8k/test.jsonl", "gsm8k"),
-}
-_EVAL_FOR = {"gsm8k": "gsm8k", "math": "math500", "aime": "aime24"}  # preset -> held-out set
 _QWQ_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 _DAPO_HEAD = "Solve the following math problem step by step."
 _DAPO_TAIL = '\n\nRemember to put your answer on its own line after "Answer:"'
-
-
-class Examples(list):
-    """A list of Example with the load report: `skipped` bad rows, `unscorable` rows, `source`."""
-
-    skipped: int = 0
-    unscorable: int = 0
-    first_error: str | None = None
-    source: str = ""
 
 
 class _RowError(Exception):
@@ -172,7 +140,7 @@ def read_records(path: str | Path) -> Iterator[tuple[str, Any]]:
 
 def _hub_records(name: str, split: str) -> Iterator[tuple[str, Any]]:
     repo, _, config = name.partition(":")
-    config = config or _HUB_CONFIGS.get(repo, "")
+    config = config or HUB_CONFIGS.get(repo, "")
     try:
         import datasets
     except ImportError:
@@ -411,7 +379,7 @@ def default_data_root() -> Path | None:
 
 
 def _local_preset_file(name: str, split: str, root: Path | None) -> Path | None:
-    files = _LOCAL.get(name)
+    files = LOCAL_FILES.get(name)
     rel = files and (files.get(split) or files.get("*"))
     if not rel or root is None or not (root / rel).is_file():
         return None
@@ -425,13 +393,13 @@ def _source(cfg: DataConfig) -> tuple[str, Iterator[tuple[str, Any]]]:
     local = _local_preset_file(cfg.name, cfg.split, default_data_root())
     if local is not None:
         return str(local), read_records(local)
-    if cfg.name in _LOCAL and cfg.name not in _HUB:
+    if cfg.name in LOCAL_FILES and cfg.name not in HUB_IDS:
         raise UserError(
             f"data.name: preset {cfg.name!r} reads shared data, not found (set EBPO_LITE_DATA to "
-            f"the folder holding {_LOCAL[cfg.name]}, or set data.path)"
+            f"the folder holding {LOCAL_FILES[cfg.name]}, or set data.path)"
         )
-    split = _HUB_SPLITS.get(cfg.name, cfg.split)
-    return cfg.name, _hub_records(_HUB.get(cfg.name, cfg.name), split)
+    split = HUB_SPLITS.get(cfg.name, cfg.split)
+    return cfg.name, _hub_records(HUB_IDS.get(cfg.name, cfg.name), split)
 
 
 def _resolve_preset(cfg: DataConfig, source: str, first: Any) -> str:
@@ -511,7 +479,7 @@ def load_eval_examples(cfg: DataConfig) -> list[Example]:
     if cfg.path or cfg.split != "train":
         return []
     preset = cfg.name if cfg.name in _MAPPERS else guess_preset(cfg.name)
-    bench = _EVAL_FOR.get(preset or "")
+    bench = EVAL_FOR.get(preset or "")
     if bench is None:
         return []
     try:
@@ -540,11 +508,6 @@ def load_benchmark(name: str, data_root: Path | None = None) -> list[Example]:
 
 
 # ----------------------------------------------------------------------------- labels
-
-
-def prompt_digest(prompt: str) -> str:
-    """16 hex characters of sha1(prompt): lets a labels file prove it belongs to this data."""
-    return hashlib.sha1(prompt.encode("utf-8")).hexdigest()[:16]
 
 
 def apply_labels(examples: list[Example], labels_path: str | Path) -> list[Example]:
@@ -595,34 +558,3 @@ def _label_one(examples: list[Example], row: dict) -> tuple[int, Example]:
     if row.get("difficulty") is not None:
         changes["difficulty"] = _difficulty(row, "difficulty")
     return idx, dataclasses.replace(ex, **changes)
-
-
-# ----------------------------------------------------------------------------- prompts
-
-
-def format_prompt(
-    tokenizer: Any, example: Example | str, system_prompt: str | None = None, thinking: bool = False
-) -> str:
-    """The model input for one problem.
-
-    With a chat template: [system, user] messages through `apply_chat_template` with the
-    generation prompt and `enable_thinking=thinking` (Qwen3's switch; other templates ignore it).
-    A template that rejects the system role gets the system text prepended to the user turn.
-    Without a chat template: "{system}\\n\\nQuestion: {problem}\\nAnswer:". `system_prompt`
-    None means DEFAULT_SYSTEM_PROMPT; "" means none.
-    """
-    system = DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt
-    question = example.prompt if isinstance(example, Example) else str(example)
-    if not getattr(tokenizer, "chat_template", None):
-        return (f"{system}\n\n" if system else "") + f"Question: {question}\nAnswer:"
-    user = {"role": "user", "content": question}
-    kwargs = dict(tokenize=False, add_generation_prompt=True, enable_thinking=thinking)
-    if not system:
-        return tokenizer.apply_chat_template([user], **kwargs)
-    try:
-        return tokenizer.apply_chat_template(
-            [{"role": "system", "content": system}, user], **kwargs
-        )
-    except Exception:  # e.g. "System role not supported" raised by the template
-        merged = {"role": "user", "content": f"{system}\n\n{question}"}
-        return tokenizer.apply_chat_template([merged], **kwargs)

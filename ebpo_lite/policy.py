@@ -201,21 +201,18 @@ class Policy:
     @property
     def stop_ids(self) -> tuple[int, ...]:
         """The ids that end a turn: the generation config's `eos_token_id` list + the tokenizer's."""
-        from ebpo_lite.rollout import stop_token_ids
+        from ebpo_lite.rollout.common import stop_token_ids
 
         return stop_token_ids(self.tokenizer, getattr(self.model, "generation_config", None))
 
     @classmethod
     def from_config(cls, cfg: Config, log=print) -> Policy:
+        """transformers + peft. (`run.load_policy` picks Unsloth's loader for its backend.)"""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from ebpo_lite.device import resolve_attn, resolve_device, resolve_dtype
 
         m = cfg.model
-        if cfg.rollout.backend == "unsloth":  # Unsloth builds the model so vLLM shares its base
-            from ebpo_lite.rollout.unsloth import load_unsloth_policy
-
-            return load_unsloth_policy(cfg, log)
         device = resolve_device(m.device)
         dtype = resolve_dtype(m.dtype, device)
         if m.name == "tiny":

@@ -301,6 +301,16 @@ class Run:
         return int(state["step"])
 
 
+def load_policy(cfg: config.Config, log=print) -> Policy:
+    """The trainer's policy. With `rollout.backend=unsloth`, Unsloth builds it (its vLLM engine
+    shares the base); otherwise transformers + peft (`Policy.from_config`)."""
+    if cfg.rollout.backend == "unsloth":
+        from ebpo_lite.rollout.unsloth import load_unsloth_policy
+
+        return load_unsloth_policy(cfg, log)
+    return Policy.from_config(cfg, log=log)
+
+
 def build_run(cfg: config.Config) -> Run:
     out = _prepare_output_dir(cfg)
     if cfg.train.threads:
@@ -312,7 +322,7 @@ def build_run(cfg: config.Config) -> Run:
     from ebpo_lite.plan import preflight
 
     preflight(cfg)  # on a GPU: refuse a plan that cannot fit before the model loads (CPU: no-op)
-    policy = Policy.from_config(cfg)
+    policy = load_policy(cfg)
     prompt_ids = data.encode_prompts(policy.tokenizer, train_ex, cfg.data)
     fns, weights = reward_functions(cfg)
     prompt_sampler = curriculum.make_sampler(

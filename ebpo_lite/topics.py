@@ -131,7 +131,7 @@ def cluster_topics(texts: list[str], k: int, seed: int = 0) -> list[str]:
 
 def label(args: argparse.Namespace) -> Path:
     from ebpo_lite import config, data
-    from ebpo_lite.mathdata import prompt_digest
+    from ebpo_lite.prompts import prompt_digest
 
     cfg = config.load(args.recipe, args.overrides)
     examples, _ = data.load_train_eval(dataclasses.replace(cfg.data, labels_path=None))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ebpo_lite import mathdata
+from ebpo_lite import mathdata, prompts
 from ebpo_lite.config import DataConfig
 from ebpo_lite.data import Example
 from ebpo_lite.errors import UserError
@@ -233,7 +233,7 @@ def test_apply_labels(tmp_path):
         tmp_path / "labels.jsonl",
         [
             {"index": 0, "topic": "algebra", "pass_rate": 0.25},
-            {"index": 2, "difficulty": 4, "prompt_sha1": mathdata.prompt_digest("p2")},
+            {"index": 2, "difficulty": 4, "prompt_sha1": prompts.prompt_digest("p2")},
         ],
     )
     out = mathdata.apply_labels(exs, labels)
@@ -265,21 +265,21 @@ def test_format_prompt_plain_and_chat_with_thinking_switch():
 
     tok = build_tokenizer()
     ex = Example(prompt="What is 1+1?", answer="2")
-    assert mathdata.format_prompt(tok, ex) == (
+    assert prompts.format_prompt(tok, ex) == (
         "Please reason step by step, and put your final answer within \\boxed{}.\n\n"
         "Question: What is 1+1?\nAnswer:"
     )
     tok.chat_template = TINY_TEMPLATE
-    no_think = mathdata.format_prompt(tok, ex, system_prompt="Box it.")
+    no_think = prompts.format_prompt(tok, ex, system_prompt="Box it.")
     assert no_think == "<system>Box it.\n<user>What is 1+1?\n<assistant><think>\n\n</think>\n"
-    think = mathdata.format_prompt(tok, ex, system_prompt="Box it.", thinking=True)
+    think = prompts.format_prompt(tok, ex, system_prompt="Box it.", thinking=True)
     assert think == "<system>Box it.\n<user>What is 1+1?\n<assistant>"
     assert (
-        mathdata.format_prompt(tok, "Q", system_prompt="", thinking=True) == "<user>Q\n<assistant>"
+        prompts.format_prompt(tok, "Q", system_prompt="", thinking=True) == "<user>Q\n<assistant>"
     )
     tok.chat_template = (
         "{% for m in messages %}{% if m['role'] == 'system' %}"
         "{{ raise_exception('System role not supported') }}{% endif %}"
         "[{{ m['content'] }}]{% endfor %}"
     )
-    assert mathdata.format_prompt(tok, ex, system_prompt="S") == "[S\n\nWhat is 1+1?]"
+    assert prompts.format_prompt(tok, ex, system_prompt="S") == "[S\n\nWhat is 1+1?]"

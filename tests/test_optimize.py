@@ -75,7 +75,7 @@ def test_redraw_seeds_never_collide_across_steps_and_draws():
 
 
 def test_vllm_request_seeds_use_the_whole_step_seed():
-    from ebpo_lite.rollout.vllm import request_seeds
+    from ebpo_lite.rollout.common import request_seeds
 
     low = 12345
     assert request_seeds(low, 4) != request_seeds(low + 2**40, 4)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ebpo_lite import config, mathdata
+from ebpo_lite import config, mathdata, presets
 from tests.conftest import REPO
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
@@ -21,10 +21,10 @@ def _preset(d: config.DataConfig) -> str | None:
     if d.name == "arithmetic" and d.path is None:
         return "arithmetic"
     if d.preset != "auto":
-        return d.preset if d.preset in mathdata.PRESETS else None
+        return d.preset if d.preset in presets.PRESETS else None
     if d.prompt_field or d.answer_field:
         return "generic"
-    return d.name if d.name in mathdata.PRESETS else mathdata.guess_preset(d.path or d.name)
+    return d.name if d.name in presets.PRESETS else mathdata.guess_preset(d.path or d.name)
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
@@ -34,7 +34,7 @@ def test_recipe_loads_validates_and_resolves(path):
     assert f"python -m ebpo_lite.train recipes/{path.name}" in text  # documented command
     assert text.lstrip().startswith(f"# {path.stem}:")  # header names the recipe
     assert _preset(cfg.data) is not None, f"{path.name}: data.name {cfg.data.name!r} has no preset"
-    known = {"arithmetic", *mathdata.BENCHMARKS}
+    known = {"arithmetic", *presets.BENCHMARKS}
     assert set(cfg.eval.benchmarks) <= known, cfg.eval.benchmarks
     if cfg.curriculum.sampler == "topic" and cfg.data.labels_path is None:
         # topics must come from the preset's field: math / math500 / olympiadbench / arithmetic

@@ -12,7 +12,7 @@ import torch
 
 from ebpo_lite import config
 from ebpo_lite.errors import ConfigError, UserError
-from ebpo_lite.rollout import vllm as rv
+from ebpo_lite.rollout import common as rv
 
 
 @pytest.mark.parametrize(

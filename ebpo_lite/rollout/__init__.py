@@ -11,48 +11,22 @@ Stop ids: chat models end a turn with a token that is often not the tokenizer's 
 lists them (an int or a list). `stop_token_ids` is the one place that reads them, and
 `cut_at_stop` the one place that cuts a completion after the first of them: every sampler stops
 on all of them and trims with it, so no completion (hence no completion mask) runs past the end of
-the turn, and `finished` means "ended with a stop id".
+the turn, and `finished` means "ended with a stop id". Both live, with `Rollout` and the other
+engine-free helpers, in `rollout/common.py`, which every backend imports (and this module
+re-exports); this module holds the Protocol and `make_backend`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
+
+from ebpo_lite.rollout.common import Rollout, cut_at_stop, stop_token_ids
+
+__all__ = ["Rollout", "RolloutBackend", "cut_at_stop", "make_backend", "stop_token_ids"]
 
 if TYPE_CHECKING:
     from ebpo_lite.config import Config
     from ebpo_lite.policy import Policy
-
-
-@dataclass
-class Rollout:
-    prompt_ids: list[list[int]]  # B prompts, token ids
-    completion_ids: list[list[int]]  # B*G completions (the stop id included when produced)
-    sampler_logprobs: list[list[float]] | None  # B*G, log-prob of each sampled token
-    finished: list[bool]  # B*G, True when the completion ended with a stop id
-
-    @property
-    def group_size(self) -> int:
-        return len(self.completion_ids) // max(len(self.prompt_ids), 1)
-
-
-def stop_token_ids(tokenizer: Any, generation_config: Any = None) -> tuple[int, ...]:
-    """The ids that end a completion: `generation_config.eos_token_id` (int or list), then the
-    tokenizer's `eos_token_id` if not already listed; duplicates and None dropped, order kept."""
-    listed = getattr(generation_config, "eos_token_id", None)
-    ids: list = list(listed) if isinstance(listed, Iterable) else [listed]
-    ids.append(getattr(tokenizer, "eos_token_id", None))
-    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
-
-
-def cut_at_stop(ids: Sequence[int], stop_ids: Iterable[int]) -> tuple[list[int], bool]:
-    """`ids` up to and including the first stop id, and whether one was found."""
-    stops = set(stop_ids)
-    for t, token in enumerate(ids):
-        if token in stops:
-            return list(ids[: t + 1]), True
-    return list(ids), False
 
 
 class RolloutBackend(Protocol):

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ebpo_lite.rollout import Rollout, cut_at_stop
+from ebpo_lite.rollout.common import Rollout, cut_at_stop
 
 if TYPE_CHECKING:
     from ebpo_lite.config import RolloutConfig

@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ebpo_lite.errors import ConfigError, UserError
-from ebpo_lite.rollout import Rollout
-from ebpo_lite.rollout.vllm import (
+from ebpo_lite.rollout.common import (
+    Rollout,
     adapter_root,
     check_lengths,
     derive_max_model_len,

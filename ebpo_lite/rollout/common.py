@@ -1,0 +1,240 @@
+"""Engine-free pieces every sampler shares: `Rollout`, the stop ids (`stop_token_ids`,
+`cut_at_stop`; see `ebpo_lite.rollout`), and for the vLLM and Unsloth samplers: LoRA rank and
+length checks, seeds, sampling parameters, converting engine outputs to a `Rollout`, the adapter
+folder, RNG and environment guards. Nothing here imports vllm;
+the default test tier checks them without it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ebpo_lite.errors import ConfigError, UserError
+
+if TYPE_CHECKING:
+    from ebpo_lite.config import Config, RolloutConfig
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+_warned_truncation = False
+
+
+@dataclass
+class Rollout:
+    prompt_ids: list[list[int]]  # B prompts, token ids
+    completion_ids: list[list[int]]  # B*G completions (the stop id included when produced)
+    sampler_logprobs: list[list[float]] | None  # B*G, log-prob of each sampled token
+    finished: list[bool]  # B*G, True when the completion ended with a stop id
+
+    @property
+    def group_size(self) -> int:
+        return len(self.completion_ids) // max(len(self.prompt_ids), 1)
+
+
+def stop_token_ids(tokenizer: Any, generation_config: Any = None) -> tuple[int, ...]:
+    """The ids that end a completion: `generation_config.eos_token_id` (int or list), then the
+    tokenizer's `eos_token_id` if not already listed; duplicates and None dropped, order kept."""
+    listed = getattr(generation_config, "eos_token_id", None)
+    ids: list = list(listed) if isinstance(listed, Iterable) else [listed]
+    ids.append(getattr(tokenizer, "eos_token_id", None))
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def cut_at_stop(ids: Sequence[int], stop_ids: Iterable[int]) -> tuple[list[int], bool]:
+    """`ids` up to and including the first stop id, and whether one was found."""
+    stops = set(stop_ids)
+    for t, token in enumerate(ids):
+        if token in stops:
+            return list(ids[: t + 1]), True
+    return list(ids), False
+
+
+def round_lora_rank(rank: int, key: str = "rollout.max_lora_rank") -> int:
+    """Smallest rank vLLM accepts that is >= `rank`; ConfigError above 512."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ConfigError(
+        f"{key}: LoRA rank {rank} is above 512, the largest rank vLLM serves "
+        f"(accepted: {', '.join(map(str, VLLM_LORA_RANKS))}); lower model.lora_rank"
+    )
+
+
+def derive_max_model_len(
+    max_prompt_tokens: int, max_new_tokens: int, model_limit: int | None, explicit: int = 0
+) -> int:
+    """Engine context length: `explicit` when set, else prompt + completion budget (capped)."""
+    if explicit:
+        if model_limit is not None and explicit > model_limit:
+            raise ConfigError(
+                f"rollout.max_model_len: {explicit} is above the model's "
+                f"max_position_embeddings ({model_limit})"
+            )
+        return explicit
+    need = max_prompt_tokens + max_new_tokens
+    return min(need, model_limit) if model_limit is not None else need
+
+
+def request_seeds(seed: int, num_prompts: int) -> list[int]:
+    """One sampling seed per prompt, a deterministic function of (step seed, prompt index).
+
+    The whole step seed counts (up to 64 bits: `run.draw_seed` gives 63), not its low 32 bits.
+    """
+    return [
+        int(np.random.SeedSequence([seed & 0xFFFF_FFFF_FFFF_FFFF, i]).generate_state(1)[0])
+        for i in range(num_prompts)
+    ]
+
+
+def truncation_warning(top_p: float, top_k: int, min_p: float, is_correction: str) -> str | None:
+    """The warning for truncated sampling (sampler log-probs then not the trainer's), or None."""
+    if top_p >= 1.0 and top_k <= 0 and min_p <= 0.0:
+        return None
+    msg = (
+        f"rollout.top_p={top_p} / top_k={top_k} / min_p={min_p} truncate the sampling "
+        "distribution: the sampler log-probs are the truncated distribution's and the trainer's "
+        "are not, so rollout/logp_diff_* and rollout/is_ratio_* measure the truncation, not only "
+        "numerical round-off"
+    )
+    if is_correction != "none":
+        msg += (
+            f"; algo.is_correction={is_correction!r} weights every token by the kept mass "
+            "(ratios <= 1), and tokens outside the truncation are never sampled"
+        )
+    return msg
+
+
+def adapter_root() -> Path:
+    """Where adapter folders go: /dev/shm when it exists and is writable, else the temp dir."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK):
+        return shm
+    return Path(tempfile.gettempdir())
+
+
+def visible_device_for(index: int, parent_visible: str | None) -> str:
+    """The CUDA_VISIBLE_DEVICES value that makes the parent's `cuda:index` a child's `cuda:0`."""
+    if parent_visible is None or not parent_visible.strip():
+        return str(index)
+    devices = [d.strip() for d in parent_visible.split(",") if d.strip()]
+    if index >= len(devices):
+        raise ConfigError(
+            f"rollout.device: cuda:{index} asked for, but CUDA_VISIBLE_DEVICES="
+            f"{parent_visible!r} shows {len(devices)} device(s)"
+        )
+    return devices[index]
+
+
+@contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Restore Python's, NumPy's and torch's global RNG states on exit."""
+    py_state, np_state = random.getstate(), np.random.get_state()
+    cpu_state = torch.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        torch.set_rng_state(cpu_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+
+
+@contextmanager
+def patched_env(values: dict[str, str]) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def check_lengths(prompt_ids: list[list[int]], max_tokens: int, max_model_len: int) -> None:
+    """UserError when the longest prompt + the completion budget exceeds the engine's context."""
+    longest = max((len(p) for p in prompt_ids), default=0)
+    if longest + max_tokens > max_model_len:
+        raise UserError(
+            f"rollout.max_model_len: a prompt of {longest} tokens + {max_tokens} new tokens does "
+            f"not fit the engine's {max_model_len}; raise rollout.max_model_len or lower "
+            "data.max_prompt_tokens"
+        )
+
+
+def sampling_params(
+    cls: Any,
+    r: RolloutConfig,
+    group_size: int,
+    seed: int,
+    num_prompts: int,
+    temperature: float | None,
+    max_tokens: int,
+    stop_ids: Sequence[int],
+) -> list:
+    """One vLLM `SamplingParams` per prompt: n=G, the rollout settings, a per-prompt seed, and
+    every end-of-turn id as `stop_token_ids` (`Policy.stop_ids`)."""
+    temp = r.temperature if temperature is None else temperature
+    return [
+        cls(
+            n=group_size,
+            temperature=temp,
+            top_p=r.top_p,
+            top_k=r.top_k if r.top_k > 0 else -1,
+            min_p=r.min_p,
+            max_tokens=max_tokens,
+            logprobs=0,
+            seed=s,
+            detokenize=False,
+            stop_token_ids=list(stop_ids) or None,
+        )
+        for s in request_seeds(seed, num_prompts)
+    ]
+
+
+def outputs_to_rollout(prompt_ids: list[list[int]], outs: list, stop_ids: Sequence[int]) -> Rollout:
+    """vLLM `RequestOutput`s (one per prompt, n samples each) -> a prompt-major `Rollout`.
+
+    Completions are cut after the first of `stop_ids` (`cut_at_stop`, as the HF sampler does), so
+    the trimming agrees with the `stop_token_ids` the engine was given.
+    """
+    roll = Rollout(
+        prompt_ids=[list(p) for p in prompt_ids],
+        completion_ids=[],
+        sampler_logprobs=[],
+        finished=[],
+    )
+    for out in outs:
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            ids, done = cut_at_stop(c.token_ids, stop_ids)
+            roll.completion_ids.append(ids)
+            roll.sampler_logprobs.append([pos[t].logprob for pos, t in zip(c.logprobs, ids)])
+            roll.finished.append(done)
+    return roll
+
+
+# ----------------------------------------------------------------------------- warnings
+
+
+def maybe_warn_truncation(cfg: Config) -> None:
+    """Warn once per process when sampling is truncated (see `truncation_warning`)."""
+    global _warned_truncation
+    r = cfg.rollout
+    msg = truncation_warning(r.top_p, r.top_k, r.min_p, cfg.algo.is_correction)
+    if msg and not _warned_truncation:
+        _warned_truncation = True
+        warnings.warn(msg, stacklevel=3)
