@@ -16,8 +16,10 @@ prompt stream. Methods:
   orders (`curriculum.sampler`);
 - `ebpo_nocenter`, `ebpo_moments` (`tau2=moments`, `sigma2=within`), `ebpo_decay` (`decay=0.99`),
   `ebpo_key_topic` (`prior_key=topic`): the beyond-paper options of ALGORITHM.md section 3;
-- `ebpo_loo` (`leave_one_out`), `ebpo_prompt` (`prompt_prior`), `ebpo_loo_prompt` (both): the
-  options of `ebpo_lite.advantages` beyond ALGORITHM.md; `grpo_adaptive`,
+- `ebpo_prompt` (`prompt_prior`), `ebpo_loo_prompt` (with `leave_one_out`): the options of
+  `ebpo_lite.advantages` beyond ALGORITHM.md. `leave_one_out` alone is not run: with one G and no
+  masked completions it gives the paper's advantages exactly (up to the whitening's eps; proved
+  in `ebpo_lite.advantages`, tested in tests/test_ebpo_options.py); `grpo_adaptive`,
   `ebpo_loo_prompt_adaptive` (`curriculum.sampler=adaptive`) and `ebpo_loo_prompt_dapo` (dynamic
   sampling as in `dapo`) tell estimator gains from sampling gains
   (benchmarks/beyond_paper.py tabulates them against `grpo` and `ebpo`).
@@ -65,7 +67,6 @@ METHODS: dict[str, list[str]] = {
     "ebpo_decay": ["algo.estimator=ebpo", "algo.decay=0.99"],
     "ebpo_key_topic": ["algo.estimator=ebpo", "algo.prior_key=topic"],
     # issue 12: options beyond the paper and beyond ALGORITHM.md, then with the two samplers
-    "ebpo_loo": ["algo.estimator=ebpo", "algo.leave_one_out=true"],
     "ebpo_prompt": ["algo.estimator=ebpo", "algo.prompt_prior=true"],
     "ebpo_loo_prompt": ["algo.estimator=ebpo", "algo.leave_one_out=true", "algo.prompt_prior=true"],
     "grpo_adaptive": ["algo.estimator=grpo", "curriculum.sampler=adaptive"],
@@ -125,6 +126,7 @@ def one_run(job: tuple[str, int, int, int]) -> dict:
     exp = [r["eval/expected_accuracy"] for r in evals]
     greedy = [r["eval/accuracy"] for r in evals]
     shrink = [r["adv/shrinkage"] for r in steps_rec if "adv/shrinkage" in r]
+    visits = [r["adv/prompt_visits"] for r in steps_rec if "adv/prompt_visits" in r]
     return {
         "method": method,
         "group_size": G,
@@ -144,6 +146,7 @@ def one_run(job: tuple[str, int, int, int]) -> dict:
         },
         "frac_zero_std_groups": statistics.mean(r["train/frac_zero_std_groups"] for r in steps_rec),
         "mean_shrinkage": statistics.mean(shrink) if shrink else None,
+        "mean_prompt_visits": statistics.mean(visits) if visits else None,
         "wall_s": round(wall, 1),
     }
 
