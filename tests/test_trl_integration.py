@@ -131,6 +131,24 @@ def test_zero_shrinkage_gives_batch_whitened_dr_grpo(tiny_dir, tmp_path):
         torch.testing.assert_close(used.double(), white.reshape(-1), rtol=1e-6, atol=1e-6)
 
 
+def test_prompt_prior_and_leave_one_out_match_the_estimator(tiny_dir, tmp_path):
+    opts = {"prompt_prior": True, "leave_one_out": True}
+    tr = _trainer(tiny_dir, tmp_path, cls=Recording, ebpo_options=opts, max_steps=3)
+    tr.train()
+    replay = EBPrior(**opts)
+    seen = []
+    for used, last in tr.recorded:
+        ids = last["prompts"]
+        assert len(ids) == last["rewards"].shape[0] and all(isinstance(i, str) for i in ids)
+        A, _ = ebpo_advantages(last["rewards"], replay, mask=last["mask"], prompts=ids)
+        torch.testing.assert_close(A.reshape(-1).to(used.dtype), used, rtol=0, atol=0)
+        seen += ids
+    assert len(tr.ebpo_prior.prompts.rows) == len(set(seen))  # one history per distinct prompt
+    assert tr.ebpo_prior.state_dict() == replay.state_dict()
+    saved = json.loads((tmp_path / "checkpoint-3" / ebpo_trl.PRIOR_FILE).read_text())
+    assert saved["prompts"]["tags"] == list(tr.ebpo_prior.prompts.rows)
+
+
 def test_adaptive_curriculum_learns_and_resumes(tiny_dir, tmp_path):
     sampler = make_sampler("adaptive", 16, seed=3)
     tr = _trainer(tiny_dir, tmp_path, curriculum=sampler)

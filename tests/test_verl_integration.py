@@ -107,6 +107,35 @@ def _stats_of(steps, prior):
     return stats
 
 
+def test_leave_one_out_with_uneven_groups_equals_ebpo_advantages():
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.ray_trainer import compute_advantage
+
+    config = OmegaConf.create({"adv_estimator": "ebpo", "ebpo": {"leave_one_out": True}})
+    rewards = [[0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0], [0.5, 0.0], [1.0, 0.0, 0.0, 0.0]]
+    perm = np.random.default_rng(1).permutation(13)
+    data, mask = _batch(rewards, perm)
+    out = compute_advantage(data, adv_estimator="ebpo", config=config)
+    expected = _expected_per_sample(rewards, EBPrior(leave_one_out=True))[torch.as_tensor(perm)]
+    torch.testing.assert_close(
+        out.batch["advantages"], expected[:, None] * mask, rtol=1e-5, atol=1e-6
+    )
+    paper = _expected_per_sample(rewards, EBPrior())[torch.as_tensor(perm)]
+    assert (expected - paper).abs().max() > 1e-3  # uneven groups: it is not the paper variant
+    assert plugin.get_prior().leave_one_out
+
+
+def test_prompt_prior_is_refused_with_the_reason():
+    data, _ = _batch([[1.0, 0.0]], np.arange(2))
+    with pytest.raises(ValueError, match="prompt_prior: not available in verl"):
+        plugin.compute_ebpo_outcome_advantage(
+            data.batch["token_level_rewards"],
+            data.batch["response_mask"],
+            config={"ebpo": {"prompt_prior": True}},
+            index=data.non_tensor_batch["uid"],
+        )
+
+
 def test_hand_computed_two_groups():
     # rewards [[1, 0], [0, 0]]: mean_g = (.5, 0), sigma2 = var(1,0,0,0) = 3/16, tau2 = var(.5, 0)
     # = 1/16, S = (3/32) / (3/32 + 2/32) = 0.6, V = (.4*.5 + .6*.25, .6*.25) = (.35, .15),

@@ -20,10 +20,14 @@ What it does (tested with TRL `TRL_TESTED`, see `check_trl_version`)
   times). An adaptive sampler is told the rewards of the prompts it chose.
 
 Options (constructor keywords; everything else goes to `GRPOTrainer`)
-    ebpo_prior     an `EBPrior` (its options: tau2, sigma2, center, decay, min_count, tau2_min)
+    ebpo_prior     an `EBPrior` (its options: tau2, sigma2, center, decay, min_count, tau2_min,
+                   leave_one_out, prompt_prior, prompt_capacity)
     ebpo_options   or a dict of those options (not both); default: the paper's variant
     ebpo_prior_key a dataset column (e.g. "topic") whose value per prompt keys the hierarchical
                    prior (ALGORITHM.md section 3, `prior_key`); None: one global prior
+    ebpo_prompt_id with the option prompt_prior: a dataset column (str or int) naming each
+                   prompt; None: a digest of the prompt itself (its text, or its messages as JSON),
+                   so every visit of the same prompt shares one history
     curriculum     a `PromptSampler` from `ebpo_lite.curriculum.make_sampler` over the training
                    dataset's rows; None: TRL's own sampler
 
@@ -65,12 +69,13 @@ import torch
 from torch.utils.data import Sampler
 
 from ebpo_lite.advantages import EBPrior, ebpo_advantages
+from ebpo_lite.prompts import prompt_digest
 
 TRL_TESTED = (">=1.16.0", "<1.17")  # the range the tests ran against (CI tier integrations)
 SKIP_VERSION_ENV = "EBPO_LITE_TRL_ANY_VERSION"  # "1": try an untested TRL anyway
 PRIOR_FILE = "ebpo_prior.json"
 CURRICULUM_FILE = "ebpo_curriculum.json"
-LOGGED_STATS = ("shrinkage", "mu_glob", "sigma2", "tau2")
+LOGGED_STATS = ("shrinkage", "mu_glob", "sigma2", "tau2")  # + prompt_visits with prompt_prior
 _LEARNED_KEYS = ("successes", "trials")  # sampler state learned from rewards (adaptive)
 
 
@@ -179,6 +184,7 @@ class EBPOGRPOTrainer(GRPOTrainer):
         ebpo_prior: EBPrior | None = None,
         ebpo_options: dict[str, Any] | None = None,
         ebpo_prior_key: str | None = None,
+        ebpo_prompt_id: str | None = None,
         curriculum: Any | None = None,
         **kwargs: Any,
     ) -> None:
@@ -188,6 +194,7 @@ class EBPOGRPOTrainer(GRPOTrainer):
             raise ValueError(f"ebpo_prior: expected an EBPrior, got {type(ebpo_prior).__name__}")
         self.ebpo_prior = ebpo_prior if ebpo_prior is not None else EBPrior(**(ebpo_options or {}))
         self.ebpo_prior_key = ebpo_prior_key
+        self.ebpo_prompt_id = ebpo_prompt_id
         self.curriculum = curriculum
         self.ebpo_last: dict[str, Any] = {}  # rewards [B, G], mask, advantages [B, G], stats
         self._ebpo_rewards_per_func: torch.Tensor | None = None
@@ -244,7 +251,8 @@ class EBPOGRPOTrainer(GRPOTrainer):
         R = rewards.view(-1, G)  # [B, G]
         M = valid.view(-1, G)  # [B, G]
         keys = self._prior_keys(inputs, G)
-        A, stats = ebpo_advantages(R, self.ebpo_prior, mask=M, keys=keys)  # [B, G]
+        prompts = self._prompt_ids(inputs, G)
+        A, stats = ebpo_advantages(R, self.ebpo_prior, mask=M, keys=keys, prompts=prompts)
         n_local = len(inputs)
         start = self.accelerator.process_index * n_local
         local = A.reshape(-1)[start : start + n_local]  # [n_local]
@@ -252,13 +260,16 @@ class EBPOGRPOTrainer(GRPOTrainer):
         for _ in range(min(A.numel(), len(self._logs["advantages"]))):
             self._logs["advantages"].pop()
         self._logs["advantages"].extend(A.reshape(-1).tolist())
-        for k in LOGGED_STATS:
-            self._metrics["train"][f"adv/{k}"].append(stats[k])
+        for k in (*LOGGED_STATS, "prompt_visits"):
+            if k in stats:
+                self._metrics["train"][f"adv/{k}"].append(stats[k])
         self.ebpo_last = {
             "rewards": R.detach().cpu(),
             "mask": M.cpu(),
             "advantages": A.cpu(),
             "stats": stats,
+            "keys": keys,
+            "prompts": prompts,
         }
         self._maybe_update_curriculum(inputs, torch.where(M, R, torch.nan))
         return output
@@ -272,6 +283,20 @@ class EBPOGRPOTrainer(GRPOTrainer):
         if any(v is None for v in local):
             raise ValueError(f"ebpo_prior_key: column {self.ebpo_prior_key!r} missing or None")
         return gather_object(local)[::G]  # one key per prompt
+
+    def _prompt_ids(self, inputs: list[dict[str, Any]], G: int) -> list[Any] | None:
+        """One id per prompt of the whole generation batch (all processes), for prompt_prior."""
+        if not self.ebpo_prior.prompt_prior:
+            return None
+        from accelerate.utils import gather_object
+
+        if self.ebpo_prompt_id is not None:
+            local = [x.get(self.ebpo_prompt_id) for x in inputs]
+            if any(v is None for v in local):
+                raise ValueError(f"ebpo_prompt_id: column {self.ebpo_prompt_id!r} missing or None")
+        else:
+            local = [prompt_digest(json.dumps(x["prompt"], sort_keys=True)) for x in inputs]
+        return gather_object(local)[::G]  # one id per prompt
 
     def _maybe_update_curriculum(self, inputs: list[dict[str, Any]], R: torch.Tensor) -> None:
         cs = self._curriculum_sampler

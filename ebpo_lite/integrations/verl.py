@@ -22,11 +22,14 @@ The estimator (verl's signature, verl.trainer.ppo.core_algos)
   "uid") is an error.
 - The advantage is broadcast over the response tokens (times `response_mask`); returns equal the
   advantages, as in verl's outcome estimators.
-- Options: `algorithm.ebpo.{tau2,sigma2,center,decay,min_count,tau2_min}` (the EBPrior options of
-  ALGORITHM.md section 3; defaults, the paper's variant, when absent) and
+- Options: `algorithm.ebpo.{tau2,sigma2,center,decay,min_count,tau2_min,leave_one_out}` (the
+  EBPrior options; defaults, the paper's variant, when absent) and
   `algorithm.ebpo.prior_dir`. Add them on verl's command line with a `+`
   (`+algorithm.ebpo.tau2=moments`): the section is not in verl's schema. The hierarchical prior
-  (`prior_key`) is not available: verl passes no per-prompt fields to estimators.
+  (`prior_key`) is not available: verl passes no per-prompt fields to estimators. Nor is
+  `prompt_prior` (an error says so): verl 0.9's `index` is a fresh uuid per prompt and batch, so a
+  prompt's earlier visits cannot be recognised. `leave_one_out` matters here more than in a
+  fixed-G trainer: verl's groups can be uneven, and then it changes the advantages.
 
 State: one prior per driver process (module level), which is where verl computes advantages.
 - Manual: `save_prior(path)` / `load_prior(path)`, `reset_prior()`, `last_stats()`.
@@ -60,7 +63,7 @@ from ebpo_lite.advantages import EBPrior, ebpo_advantages
 
 NAME = "ebpo"
 PRIOR_DIR_ENV = "EBPO_PRIOR_DIR"
-OPTION_KEYS = ("tau2", "sigma2", "center", "decay", "min_count", "tau2_min")
+OPTION_KEYS = ("tau2", "sigma2", "center", "decay", "min_count", "tau2_min", "leave_one_out")
 KEEP_NEWEST = 2
 log = logging.getLogger(__name__)
 
@@ -109,6 +112,13 @@ def _options(config: Any) -> tuple[dict[str, Any], str | None]:
         getter = getattr(config, "get", None)
         section = getter("ebpo") if callable(getter) else getattr(config, "ebpo", None)
     section = dict(section) if section else {}
+    if section.get("prompt_prior"):
+        raise ValueError(
+            "algorithm.ebpo.prompt_prior: not available in verl: verl gives estimators a fresh "
+            "uuid per prompt per batch (ray_trainer sets non_tensor_batch['uid'] = uuid4), so a "
+            "prompt's earlier visits cannot be found; use ebpo_lite's trainer or the TRL one"
+        )
+    section.pop("prompt_prior", None)
     unknown = set(section) - set(OPTION_KEYS) - {"prior_dir"}
     if unknown:
         raise ValueError(
