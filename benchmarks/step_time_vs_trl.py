@@ -1,0 +1,210 @@
+"""One ebpo_lite step against one TRL `GRPOTrainer` step, same model and work, on CPU.
+
+    .venv-integrations/bin/python benchmarks/step_time_vs_trl.py [--steps 10 --warmup 2]
+
+(the integrations environment of .ci/tier_integrations.sh: TRL 1.16 next to ebpo_lite.)
+Both sides: the warmed tiny model of recipes/tiny_cpu.yaml, LoRA r 16 / alpha 32 / no dropout on
+every linear layer and nothing else trained (the recipe's trained norms are off, TRL has no
+such option), the recipe's arithmetic prompts, 32 prompts x G = 8 = 256 completions per step of
+at most 8 new tokens at temperature 1, AdamW at lr 1e-3, one optimisation pass per batch, no KL,
+token-mean loss (TRL's loss_type "dapo"), transformers `generate` as the sampler (TRL
+use_vllm=False, ebpo_lite rollout.backend=hf), no gradient checkpointing (TRL's default is on),
+2 threads, float32.
+
+Alternation in one process: TRL's own training loop runs; a callback times each TRL step
+(on_step_begin -> on_step_end: generation, rewards, loss, backward, optimizer) and then runs one
+ebpo_lite `train_step` (sampling, rewards, advantages, loss, optimizer, sampler sync), timed on its
+own. So both see the same machine state, step for step. Medians over `--steps` steps of each after
+`--warmup`. Peak RSS: each side again in its own fresh process (`--only ours|trl`), ru_maxrss.
+Writes benchmarks/results/step_time_vs_trl.json (ours_s, trl_s, ratio = ours / TRL, per-step
+times, versions, command, machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from _machine import command, machine
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULT = ROOT / "benchmarks" / "results" / "step_time_vs_trl.json"
+PROMPTS, G, NEW_TOKENS, LR, THREADS = 32, 8, 8, 1e-3, 2
+
+
+def ours_config(out: Path, steps: int):
+    from ebpo_lite import config
+
+    return config.load(
+        ROOT / "recipes" / "tiny_cpu.yaml",
+        [
+            f"output_dir={out}",
+            "model.trainable_extra=[]",
+            "model.lora_dropout=0.0",
+            "rollout.backend=hf",
+            f"rollout.group_size={G}",
+            f"rollout.max_new_tokens={NEW_TOKENS}",
+            f"train.prompts_per_step={PROMPTS}",
+            f"train.lr={LR}",
+            f"train.steps={steps}",
+            f"train.threads={THREADS}",
+            "train.checkpoint_every=0",
+            "eval.every=0",
+            "log.progress=none",
+        ],
+    )
+
+
+def ours_run(out: Path, steps: int):
+    from ebpo_lite.run import build_run
+
+    cfg = ours_config(out, steps)
+    return cfg, build_run(cfg)
+
+
+def trl_trainer(
+    cfg, out: Path, steps: int, callbacks: list, seed: int = 0, checkpointing: bool = False
+):
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from ebpo_lite import data
+    from ebpo_lite.rewards.functions import arithmetic_answer
+    from ebpo_lite.tiny import warm_tiny_model
+
+    m = cfg.model
+    path = str(warm_tiny_model(m.sft_warmup_steps, m.sft_seed, cfg.data.seed))
+    train_ex, _ = data.load_train_eval(cfg.data)
+    ds = Dataset.from_list([{"prompt": ex.prompt, "answer": ex.answer} for ex in train_ex])
+    args = GRPOConfig(
+        output_dir=str(out),
+        per_device_train_batch_size=PROMPTS * G,
+        num_generations=G,
+        max_completion_length=NEW_TOKENS,
+        temperature=1.0,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        beta=0.0,
+        num_iterations=1,
+        loss_type="dapo",
+        max_steps=steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        seed=seed,
+        gradient_checkpointing=checkpointing,  # TRL's default is True; ebpo_lite's False
+        dataloader_num_workers=0,
+    )
+    lora = LoraConfig(
+        r=m.lora_rank, lora_alpha=m.lora_alpha, lora_dropout=0.0, target_modules="all-linear"
+    )
+    return GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+        reward_funcs=[arithmetic_answer],
+        args=args,
+        train_dataset=ds,
+        processing_class=AutoTokenizer.from_pretrained(path),
+        peft_config=lora,
+        callbacks=callbacks,
+    )
+
+
+def alternate(n: int) -> dict:
+    """TRL's loop with one ebpo_lite step after every TRL step; per-step seconds of each."""
+    from transformers import TrainerCallback
+
+    from ebpo_lite.train import train_step
+
+    torch.set_num_threads(THREADS)
+    times: dict[str, list[float]] = {"trl": [], "ours": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg, run = ours_run(Path(tmp) / "ours", n)
+
+        class Alternate(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):
+                self.t0 = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kw):
+                times["trl"].append(time.perf_counter() - self.t0)
+                t = time.perf_counter()
+                train_step(run, len(times["ours"]) + 1)
+                times["ours"].append(time.perf_counter() - t)
+
+        trainer = trl_trainer(cfg, Path(tmp) / "trl", n, [Alternate()])
+        trainer.train()
+        run.backend.close()
+    return times
+
+
+def only(side: str, n: int) -> None:
+    """One side alone for `n` steps; prints its peak RSS in MiB (a fresh process each)."""
+    torch.set_num_threads(THREADS)
+    with tempfile.TemporaryDirectory() as tmp:
+        if side == "ours":
+            from ebpo_lite.train import train_step
+
+            _, run = ours_run(Path(tmp) / "ours", n)
+            for step in range(1, n + 1):
+                train_step(run, step)
+        else:
+            trl_trainer(ours_config(Path(tmp) / "ours", n), Path(tmp) / "trl", n, []).train()
+    print(json.dumps({"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--only", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    n = args.warmup + args.steps
+    if args.only:
+        only(args.only, n)
+        return
+    times = alternate(n)
+    ours = statistics.median(times["ours"][args.warmup :])
+    trl_s = statistics.median(times["trl"][args.warmup :])
+    rss = {}
+    for side in ("ours", "trl"):
+        out = subprocess.run(
+            [sys.executable, __file__, "--only", side, "--steps", str(args.steps),
+             "--warmup", str(args.warmup)],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        rss[side] = json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_mib"]
+    import transformers
+    import trl
+
+    result = {
+        "command": command(),
+        "machine": machine(threads=THREADS),
+        "versions": {"trl": trl.__version__, "transformers": transformers.__version__},
+        "work": {"prompts": PROMPTS, "group_size": G, "max_new_tokens": NEW_TOKENS, "lr": LR},
+        "warmup_steps": args.warmup,
+        "ours_s": ours,
+        "trl_s": trl_s,
+        "ratio": ours / trl_s,
+        "ours_peak_rss_mib": rss["ours"],
+        "trl_peak_rss_mib": rss["trl"],
+        "ours_steps_s": times["ours"],
+        "trl_steps_s": times["trl"],
+    }
+    RESULT.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if not k.endswith("steps_s")}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
