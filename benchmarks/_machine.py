@@ -30,8 +30,27 @@ def machine(**extra) -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+        "commit": commit(),
         **extra,
     }
+
+
+def commit() -> str | None:
+    """The repository's HEAD commit (with "+dirty" when the tree has changes), if git is there."""
+    import subprocess
+
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    except OSError:
+        return None
+    return (head + ("+dirty" if dirty else "")) or None
 
 
 def command() -> str:
