@@ -15,7 +15,7 @@ Alternation in one process: TRL's own training loop runs; a callback times each 
 (on_step_begin -> on_step_end: generation, rewards, loss, backward, optimizer) and then runs one
 ebpo_lite `train_step` (sampling, rewards, advantages, loss, optimizer, sampler sync), timed on its
 own. So both see the same machine state, step for step. Medians over `--steps` steps of each after
-`--warmup`. Peak RSS: each side again in its own fresh process (`--only ours|trl`), ru_maxrss.
+`--warmup`. Peak RSS: each side again in its own fresh process (`--only ours|trl`), VmHWM.
 Writes benchmarks/results/step_time_vs_trl.json (ours_s, trl_s, ratio = ours / TRL, per-step
 times, versions, command, machine).
 """
@@ -161,7 +161,16 @@ def only(side: str, n: int) -> None:
                 train_step(run, step)
         else:
             trl_trainer(ours_config(Path(tmp) / "ours", n), Path(tmp) / "trl", n, []).train()
-    print(json.dumps({"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    print(json.dumps({"peak_rss_mib": peak_rss_mib()}))
+
+
+def peak_rss_mib() -> float:
+    """This process's peak RSS: VmHWM of its own memory map. (ru_maxrss would not do: after
+    fork + exec it starts from the parent's peak.)"""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def main() -> None:
