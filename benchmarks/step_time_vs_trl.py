@@ -11,13 +11,15 @@ token-mean loss (TRL's loss_type "dapo"), transformers `generate` as the sampler
 use_vllm=False, ebpo_lite rollout.backend=hf), no gradient checkpointing (TRL's default is on),
 2 threads, float32.
 
+ebpo_lite runs twice: `ours` with its lean decode loop (`rollout.hf_loop=lean`, its best CPU
+sampler for a small model) and `ours_generate` with transformers `generate`, as TRL.
 Alternation in one process: TRL's own training loop runs; a callback times each TRL step
 (on_step_begin -> on_step_end: generation, rewards, loss, backward, optimizer) and then runs one
-ebpo_lite `train_step` (sampling, rewards, advantages, loss, optimizer, sampler sync), timed on its
-own. So both see the same machine state, step for step. Medians over `--steps` steps of each after
+ebpo_lite `train_step` of each (sampling, rewards, advantages, loss, optimizer, sampler sync),
+timed on its own. So both see the same machine state, step for step. Medians over `--steps` steps of each after
 `--warmup`. Peak RSS: each side again in its own fresh process (`--only ours|trl`), VmHWM.
-Writes benchmarks/results/step_time_vs_trl.json (ours_s, trl_s, ratio = ours / TRL, per-step
-times, versions, command, machine).
+Writes benchmarks/results/step_time_vs_trl.json (ours_s, trl_s, ratio = ours / TRL, the same
+for ours_generate, per-step times, peak RSS, versions, command, machine).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ RESULT = ROOT / "benchmarks" / "results" / "step_time_vs_trl.json"
 PROMPTS, G, NEW_TOKENS, LR, THREADS = 32, 8, 8, 1e-3, 2
 
 
-def ours_config(out: Path, steps: int):
+def ours_config(out: Path, steps: int, loop: str = "lean"):
     from ebpo_lite import config
 
     return config.load(
@@ -50,6 +52,7 @@ def ours_config(out: Path, steps: int):
             "model.trainable_extra=[]",
             "model.lora_dropout=0.0",
             "rollout.backend=hf",
+            f"rollout.hf_loop={loop}",
             f"rollout.group_size={G}",
             f"rollout.max_new_tokens={NEW_TOKENS}",
             f"train.prompts_per_step={PROMPTS}",
@@ -63,10 +66,10 @@ def ours_config(out: Path, steps: int):
     )
 
 
-def ours_run(out: Path, steps: int):
+def ours_run(out: Path, steps: int, loop: str = "lean"):
     from ebpo_lite.run import build_run
 
-    cfg = ours_config(out, steps)
+    cfg = ours_config(out, steps, loop)
     return cfg, build_run(cfg)
 
 
@@ -129,9 +132,11 @@ def alternate(n: int) -> dict:
     from ebpo_lite.train import train_step
 
     torch.set_num_threads(THREADS)
-    times: dict[str, list[float]] = {"trl": [], "ours": []}
+    times: dict[str, list[float]] = {"trl": [], "ours": [], "ours_generate": []}
     with tempfile.TemporaryDirectory() as tmp:
-        cfg, run = ours_run(Path(tmp) / "ours", n)
+        cfg, run = ours_run(Path(tmp) / "ours", n, "lean")
+        _, run_generate = ours_run(Path(tmp) / "ours_generate", n, "generate")
+        runs = {"ours": run, "ours_generate": run_generate}
 
         class Alternate(TrainerCallback):
             def on_step_begin(self, args, state, control, **kw):
@@ -139,13 +144,15 @@ def alternate(n: int) -> dict:
 
             def on_step_end(self, args, state, control, **kw):
                 times["trl"].append(time.perf_counter() - self.t0)
-                t = time.perf_counter()
-                train_step(run, len(times["ours"]) + 1)
-                times["ours"].append(time.perf_counter() - t)
+                for name, r in runs.items():
+                    t = time.perf_counter()
+                    train_step(r, len(times[name]) + 1)
+                    times[name].append(time.perf_counter() - t)
 
         trainer = trl_trainer(cfg, Path(tmp) / "trl", n, [Alternate()])
         trainer.train()
-        run.backend.close()
+        for r in runs.values():
+            r.backend.close()
     return times
 
 
@@ -185,6 +192,7 @@ def main() -> None:
         return
     times = alternate(n)
     ours = statistics.median(times["ours"][args.warmup :])
+    ours_generate = statistics.median(times["ours_generate"][args.warmup :])
     trl_s = statistics.median(times["trl"][args.warmup :])
     rss = {}
     for side in ("ours", "trl"):
@@ -206,9 +214,12 @@ def main() -> None:
         "ours_s": ours,
         "trl_s": trl_s,
         "ratio": ours / trl_s,
+        "ours_generate_s": ours_generate,
+        "ratio_generate": ours_generate / trl_s,
         "ours_peak_rss_mib": rss["ours"],
         "trl_peak_rss_mib": rss["trl"],
         "ours_steps_s": times["ours"],
+        "ours_generate_steps_s": times["ours_generate"],
         "trl_steps_s": times["trl"],
     }
     RESULT.write_text(json.dumps(result, indent=2) + "\n")

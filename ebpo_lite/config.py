@@ -74,6 +74,7 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0: off
     min_p: float = 0.0
+    hf_loop: str = "generate"  # hf backend: generate (transformers) | lean (rollout/hf.py)
     device: str = "auto"  # vLLM's device; a second GPU here gives the two-GPU layout
     # vLLM engine settings
     dtype: str = "auto"  # engine dtype; auto follows model.dtype (fp32 on CPU)
@@ -357,6 +358,7 @@ def validate(cfg: Config) -> None:
     _check(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     _check(r.top_k >= 0, "rollout.top_k", f"must be >= 0, got {r.top_k}")
     _check(0 <= r.min_p < 1, "rollout.min_p", f"must be in [0, 1), got {r.min_p}")
+    _one_of(r.hf_loop, ("generate", "lean"), "rollout.hf_loop")
     _check(r.kv_cache_gb > 0, "rollout.kv_cache_gb", "must be > 0")
     _check(
         0 < r.gpu_memory_utilization < 1,

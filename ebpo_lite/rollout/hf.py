@@ -1,4 +1,14 @@
-"""Sampling with transformers `generate` on the trainer's own model (always available).
+"""Sampling on the trainer's own model (always available): transformers `generate`, or
+`rollout.hf_loop: lean`, a plain decode loop.
+
+The lean loop runs one prefill per prompt, copies its KV cache to the prompt's G samples
+(`DynamicCache.batch_repeat_interleave`) and then decodes all B * G rows one token at a time:
+softmax(logits / T) with the same top-k, top-p and min-p filters as `generate` (`filter_logits`),
+seeded `torch.multinomial`, argmax at temperature 0, stop at every stop id. Same distribution as
+`generate`, a different random stream (so seeded runs differ from the `generate` ones), and on a
+small model about half the time: `generate`'s per-token machinery, not the model, is most of the
+cost there (benchmarks/step_time_vs_trl.py). On a GPU with a real model the model dominates and
+the two are alike; the fast sampler there is vLLM.
 
 The sampler is the policy itself, so `sync` has nothing to do. Sampling is seeded per call inside
 a forked RNG, so the trainer's global RNG stream (and hence exact resume) does not depend on it.
@@ -51,6 +61,8 @@ class HFRollout:
 
     @torch.no_grad()
     def _generate(self, prompt_ids, group_size, seed, temperature, max_new_tokens) -> Rollout:
+        if self.cfg.hf_loop == "lean":
+            return self._lean(prompt_ids, group_size, seed, temperature, max_new_tokens)
         policy, cfg = self.policy, self.cfg
         tok, stops = policy.tokenizer, list(policy.stop_ids)
         temperature = cfg.temperature if temperature is None else temperature
@@ -95,6 +107,64 @@ class HFRollout:
             finished.append(done)
         return Rollout(list(prompt_ids), completions, None, finished)
 
+    def _lean(self, prompt_ids, group_size, seed, temperature, max_new_tokens) -> Rollout:
+        """The lean decode loop (module docstring): one prefill per prompt, then B * G rows."""
+        policy, cfg = self.policy, self.cfg
+        model, tok, dev = policy.model, policy.tokenizer, policy.device
+        stops = list(policy.stop_ids)
+        temperature = cfg.temperature if temperature is None else temperature
+        max_new = max_new_tokens or cfg.max_new_tokens
+        width = max(len(p) for p in prompt_ids)
+        ids = torch.full((len(prompt_ids), width), tok.pad_token_id, dtype=torch.long)  # [B, P]
+        attn = torch.zeros_like(ids)  # [B, P]
+        for i, p in enumerate(prompt_ids):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            attn[i, width - len(p) :] = 1
+        ids, attn = ids.to(dev), attn.to(dev)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, P]
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        was_training = model.training
+        model.eval()
+        out = model(
+            input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1
+        )
+        cache = out.past_key_values
+        cache.batch_repeat_interleave(group_size)  # each prompt's KV for its G samples
+        attn = attn.repeat_interleave(group_size, dim=0)  # [B*G, P]
+        last = pos[:, -1].repeat_interleave(group_size, dim=0)  # [B*G]
+        logits = out.logits[:, -1].float().repeat_interleave(group_size, dim=0)  # [B*G, V]
+        stop_t = torch.tensor(stops, device=dev)
+        done = torch.zeros(logits.shape[0], dtype=torch.bool, device=dev)  # [B*G]
+        steps = []
+        for _ in range(max_new):
+            if temperature == 0:
+                nxt = logits.argmax(dim=-1)  # [B*G]
+            else:
+                z = filter_logits(logits / temperature, cfg.top_k, cfg.top_p, cfg.min_p)
+                nxt = torch.multinomial(torch.softmax(z, dim=-1), 1, generator=gen).squeeze(1)
+            nxt = torch.where(done, torch.full_like(nxt, tok.pad_token_id), nxt)  # [B*G]
+            steps.append(nxt)
+            done |= torch.isin(nxt, stop_t)
+            if bool(done.all()) or len(steps) == max_new:
+                break
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)  # [B*G, P + t]
+            last = last + 1
+            out = model(
+                input_ids=nxt[:, None],
+                attention_mask=attn,
+                position_ids=last[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            cache, logits = out.past_key_values, out.logits[:, -1].float()  # [B*G, V]
+        model.train(was_training)
+        completions, finished = [], []
+        for row in torch.stack(steps, dim=1).cpu().tolist():  # [B*G, T]
+            cut, stopped = cut_at_stop(row, stops)
+            completions.append(cut)
+            finished.append(stopped)
+        return Rollout(list(prompt_ids), completions, None, finished)
+
     def sync(self, policy: Policy, version: int) -> None:
         """Nothing to push: this sampler is the trainer's model."""
 
@@ -106,3 +176,23 @@ class HFRollout:
 
     def close(self) -> None:
         """Nothing to free."""
+
+
+def filter_logits(z: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """`generate`'s sampling filters on temperature-scaled logits z [N, V]: top-k (0 = off), then
+    top-p (keep the smallest set of tokens whose probability reaches top_p, always the first),
+    then min-p (drop tokens below min_p times the top probability). Dropped entries are -inf."""
+    neg = torch.finfo(z.dtype).min
+    if top_k and top_k < z.shape[-1]:
+        kth = z.topk(top_k, dim=-1).values[:, -1:]  # [N, 1]
+        z = z.masked_fill(z < kth, neg)
+    if top_p < 1.0:
+        sorted_z, order = z.sort(dim=-1, descending=True)  # [N, V]
+        cum = sorted_z.softmax(dim=-1).cumsum(dim=-1)  # [N, V]
+        drop_sorted = cum - sorted_z.softmax(dim=-1) >= top_p  # mass before this token >= p
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)  # [N, V]
+        z = z.masked_fill(drop, neg)
+    if min_p > 0.0:
+        probs = z.softmax(dim=-1)  # [N, V]
+        z = z.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, neg)
+    return z
