@@ -100,7 +100,7 @@ class AlgoConfig:
     tau2_min: float = 1e-6
     leave_one_out: bool = False  # ebpo: each completion's baseline leaves its own reward out
     prompt_prior: bool = False  # ebpo: shrink toward the prompt's posterior from earlier visits
-    prompt_capacity: int = 1_000_000  # prompt_prior: most prompts remembered (least recent go)
+    prompt_capacity: int = 200_000  # prompt_prior: most prompts remembered (about 250 B each)
     # loss
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2

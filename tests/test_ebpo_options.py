@@ -187,3 +187,19 @@ def test_leave_one_out_is_the_paper_advantage_reweighted_per_group():
     A1, _ = ebpo_advantages(R, EBPrior(leave_one_out=True), mask=M)
     A2, _ = ebpo_advantages(R, EBPrior(), mask=M)
     assert (A1 - A2).abs().max() > 1e-3
+
+
+def test_prompt_history_of_150k_prompts_stays_within_its_capacity():
+    import tracemalloc
+
+    prior = EBPrior(prompt_prior=True, prompt_capacity=100_000)
+    R = torch.bernoulli(torch.full((1000, 4), 0.5), generator=torch.Generator().manual_seed(0))
+    tracemalloc.start()
+    for k in range(150):
+        prior.observe(R, prompts=range(k * 1000, (k + 1) * 1000))
+    used, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert len(prior.prompts.rows) == 100_000
+    assert prior.prompt_history([0, 149_999]) == ([0.0, 0.0], [0.0, 0.0])  # evicted; this step's
+    assert prior.prompt_history([60_000])[0] == [4.0]
+    assert used / 100_000 < 400  # bytes per remembered prompt (about 250)
