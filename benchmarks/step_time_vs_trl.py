@@ -11,8 +11,10 @@ token-mean loss (TRL's loss_type "dapo"), transformers `generate` as the sampler
 use_vllm=False, ebpo_lite rollout.backend=hf), no gradient checkpointing (TRL's default is on),
 2 threads, float32.
 
-ebpo_lite runs twice: `ours` with its lean decode loop (`rollout.hf_loop=lean`, its best CPU
-sampler for a small model) and `ours_generate` with transformers `generate`, as TRL.
+ebpo_lite runs twice: `ours` with its best CPU settings for a small model, the lean decode loop
+(`rollout.hf_loop=lean`) and SDPA attention (`model.attn_implementation=sdpa`, as TRL's model
+loads by default), and `ours_generate` with its defaults: transformers `generate`, as TRL, and
+eager attention (what `auto` picks on CPU).
 Alternation in one process: TRL's own training loop runs; a callback times each TRL step
 (on_step_begin -> on_step_end: generation, rewards, loss, backward, optimizer) and then runs one
 ebpo_lite `train_step` of each (sampling, rewards, advantages, loss, optimizer, sampler sync),
@@ -53,6 +55,8 @@ def ours_config(out: Path, steps: int, loop: str = "lean"):
             "model.lora_dropout=0.0",
             "rollout.backend=hf",
             f"rollout.hf_loop={loop}",
+            # best CPU settings with the lean loop; with generate, the defaults (eager on CPU)
+            f"model.attn_implementation={'sdpa' if loop == 'lean' else 'auto'}",
             f"rollout.group_size={G}",
             f"rollout.max_new_tokens={NEW_TOKENS}",
             f"train.prompts_per_step={PROMPTS}",

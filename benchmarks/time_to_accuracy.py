@@ -9,7 +9,8 @@ no sampling noise), checked every `--check-every` steps; the clock stops while i
 each time is training time only (sampling, rewards, loss, optimizer, sampler sync).
 - ebpo_lite: its best CPU settings: recipes/tiny_cpu.yaml as it ships (EBPO, LoRA r 16 plus the
   norm weights, 32 prompts x G = 8, lr 1e-3, 2 threads) with its lean decode loop
-  (`rollout.hf_loop=lean`; `--loop generate` for transformers `generate`), train.seed.
+  (`rollout.hf_loop=lean`; `--loop generate` for transformers `generate`) and SDPA attention
+  (`--attn`; TRL's model loads with SDPA too), train.seed.
 - TRL 1.16: `GRPOTrainer` with its own defaults (loss_type "dapo", scale_rewards "group",
   beta 0, gradient checkpointing on, its sampler and shuffling) except what the task fixes or
   what TRL's defaults would make meaningless here, matched to ebpo_lite's: 32 prompts x 8
@@ -75,7 +76,8 @@ def ours(seed: int, target: float, args) -> dict:
     from ebpo_lite.train import train_step
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = recipe(Path(tmp) / "ours", seed, args.max_steps, [f"rollout.hf_loop={args.loop}"])
+        best = [f"rollout.hf_loop={args.loop}", f"model.attn_implementation={args.attn}"]
+        cfg = recipe(Path(tmp) / "ours", seed, args.max_steps, best)
         run = build_run(cfg)
         prompts, answers = held_out(cfg, run.policy.tokenizer)
         clock, acc = 0.0, accuracy(run.policy, prompts, answers)
@@ -138,6 +140,7 @@ def main() -> None:
     ap.add_argument("--check-every", type=int, default=5)
     ap.add_argument("--max-steps", type=int, default=150)
     ap.add_argument("--loop", default="lean", help="ebpo_lite's rollout.hf_loop")
+    ap.add_argument("--attn", default="sdpa", help="ebpo_lite's model.attn_implementation")
     args = ap.parse_args()
     torch.set_num_threads(THREADS)
     from ebpo_lite.run import build_run
@@ -171,6 +174,7 @@ def main() -> None:
         "check_every": args.check_every,
         "max_steps": args.max_steps,
         "ours_hf_loop": args.loop,
+        "ours_attn_implementation": args.attn,
         "per_seed": per_seed,
         "ratio_median": statistics.median(ratios) if ratios else None,
         "ours_s_median": _median(per_seed, "ours"),

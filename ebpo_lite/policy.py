@@ -52,14 +52,17 @@ def make_batch(
     n = len(prompt_ids)
     width_p = max(len(p) for p in prompt_ids)
     width_c = max(1, max(len(c) for c in completion_ids))
-    ids = torch.full((n, width_p + width_c), pad_id, dtype=torch.long)
-    attn = torch.zeros((n, width_p + width_c), dtype=torch.long)
-    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
-        ids[i, width_p - len(p) : width_p] = torch.tensor(p, dtype=torch.long)
-        attn[i, width_p - len(p) : width_p] = 1
-        if c:
-            ids[i, width_p : width_p + len(c)] = torch.tensor(c, dtype=torch.long)
-            attn[i, width_p : width_p + len(c)] = 1
+    # one tensor from padded Python rows: a per-row torch.tensor costs more than the model here
+    rows = [
+        [pad_id] * (width_p - len(p)) + list(p) + list(c) + [pad_id] * (width_c - len(c))
+        for p, c in zip(prompt_ids, completion_ids)
+    ]
+    masks = [
+        [0] * (width_p - len(p)) + [1] * (len(p) + len(c)) + [0] * (width_c - len(c))
+        for p, c in zip(prompt_ids, completion_ids)
+    ]
+    ids = torch.tensor(rows, dtype=torch.long).reshape(n, width_p + width_c)  # [N, P + C]
+    attn = torch.tensor(masks, dtype=torch.long).reshape(n, width_p + width_c)  # [N, P + C]
     pos = (attn.cumsum(-1) - 1).clamp(min=0)  # [N, P + C]
     cmask = attn[:, width_p:].float()  # [N, C]
     return Batch(ids.to(device), attn.to(device), pos.to(device), cmask.to(device), width_p)
