@@ -36,7 +36,7 @@ def machine(**extra) -> dict:
 
 
 def commit() -> str | None:
-    """The repository's HEAD commit (with "+dirty" when the tree has changes), if git is there."""
+    """The repository's HEAD commit (with "+dirty" when the code has uncommitted changes)."""
     import subprocess
 
     try:
@@ -44,7 +44,18 @@ def commit() -> str | None:
             ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+            # results being rewritten by this very run do not make the code dirty
+            [
+                "git",
+                "-C",
+                str(ROOT),
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                "--",
+                ".",
+                ":!benchmarks/results",
+            ],  # fmt: skip
             capture_output=True,
             text=True,
         ).stdout.strip()

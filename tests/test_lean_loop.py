@@ -41,6 +41,15 @@ def test_greedy_completions_equal_generates(policy):
     assert any(len(c) > 1 for c in b.completion_ids)
 
 
+def test_sampled_completions_equal_generates_for_the_same_seed(policy):
+    pol, cfg = policy
+    prompts = _prompts(pol, 32)
+    a = _sampler(cfg, pol, "generate").generate(prompts, 8, seed=11)
+    b = _sampler(cfg, pol, "lean").generate(prompts, 8, seed=11)
+    assert b.completion_ids == a.completion_ids and b.finished == a.finished
+    assert len({tuple(c) for c in b.completion_ids}) > 32  # it did sample
+
+
 def test_samples_are_seeded_and_stop_at_stop_ids(policy):
     pol, cfg = policy
     prompts, lean = _prompts(pol), _sampler(cfg, pol, "lean")

@@ -4,9 +4,11 @@
 The lean loop runs one prefill per prompt, copies its KV cache to the prompt's G samples
 (`DynamicCache.batch_repeat_interleave`) and then decodes all B * G rows one token at a time:
 softmax(logits / T) with the same top-k, top-p and min-p filters as `generate` (`filter_logits`),
-seeded `torch.multinomial`, argmax at temperature 0, stop at every stop id. Same distribution as
-`generate`, a different random stream (so seeded runs differ from the `generate` ones), and on a
-small model about half the time: `generate`'s per-token machinery, not the model, is most of the
+seeded `torch.multinomial`, argmax at temperature 0, stop at every stop id. It draws from the
+same seeded stream as `generate` in the same row order, so for the same seed it returns the same
+completions (all 512 of 512 in tests/test_lean_loop.py; a draw can differ only where round-off
+between the two forward paths moves it across a boundary), and on a small model in about half
+the time: `generate`'s per-token machinery, not the model, is most of the
 cost there (benchmarks/step_time_vs_trl.py). On a GPU with a real model the model dominates and
 the two are alike; the fast sampler there is vLLM.
 
