@@ -302,7 +302,11 @@ def gradient_summary(grads: list[dict]) -> list[str]:
         best = {}
         for c in grads:
             r = c["by_visit"][k]
-            w = min(GRAD_COLUMNS, key=lambda n: r[n]["rel_scaled_grad_mse"])
+            low = min(r[n]["rel_scaled_grad_mse"] for n in GRAD_COLUMNS)
+            # ties (equal up to round-off, e.g. eb_paper and eb_loo with equal groups) share a win
+            w = " = ".join(
+                n for n in GRAD_COLUMNS if r[n]["rel_scaled_grad_mse"] <= low * (1 + 1e-9)
+            )
             best[w] = best.get(w, 0) + 1
         out.append(
             f"lowest scaled gradient MSE at k = {k} earlier visits, over {len(grads)} (shape, G) cells: "
