@@ -80,10 +80,15 @@ def test_smoke_run_trains_and_logs(tmp_path):
     assert names == ["step_2", "step_3"]
 
 
-def test_resume_is_exact(tmp_path):
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"algo.prompt_prior": "true", "algo.leave_one_out": "true"}],
+    ids=["paper", "prompt_prior+leave_one_out"],
+)
+def test_resume_is_exact(tmp_path, options):
     """8 steps straight == 4 steps, stop, resume for 4: same adapter and EB prior state."""
     a, b = tmp_path / "a", tmp_path / "b"
-    common = {"train.steps": 8, "curriculum.sampler": "adaptive"}
+    common = {"train.steps": 8, "curriculum.sampler": "adaptive", **options}
     train(_cfg(a, **common))
     train(_cfg(b, **common, **{"train.stop_after": 4}))
     assert sorted(p.name for p in (b / "checkpoints").iterdir()) == ["step_4"]
@@ -95,6 +100,9 @@ def test_resume_is_exact(tmp_path):
     pa = json.loads((a / "checkpoints" / "step_8" / "prior.json").read_text())
     pb = json.loads((b / "checkpoints" / "step_8" / "prior.json").read_text())
     assert pa == pb
+    if options:  # the prompt histories were saved, restored and went on identically
+        assert pa["options"]["prompt_prior"] and len(pa["prompts"]["tags"]) > 8
+        assert max(pa["prompts"]["m"]) > 4  # some prompt was drawn on two steps
     ma = [r for r in read_metrics(a / "metrics.jsonl") if "train/loss" in r]
     mb = [r for r in read_metrics(b / "metrics.jsonl") if "train/loss" in r]
     assert [r["step"] for r in mb] == list(range(1, 9))  # one history, no duplicates
