@@ -21,7 +21,8 @@ ebpo_lite `train_step` of each (sampling, rewards, advantages, loss, optimizer, 
 timed on its own. So both see the same machine state, step for step. Medians over `--steps` steps of each after
 `--warmup`. Peak RSS: each side again in its own fresh process (`--only ours|trl`), VmHWM.
 Writes benchmarks/results/step_time_vs_trl.json (ours_s, trl_s, ratio = ours / TRL, the same
-for ours_generate, per-step times, peak RSS, versions, command, machine).
+for ours_generate, ebpo_lite's sampling and update seconds from its own `time/*` metrics,
+per-step times, peak RSS, versions, command, machine).
 """
 
 from __future__ import annotations
@@ -137,6 +138,7 @@ def alternate(n: int) -> dict:
 
     torch.set_num_threads(THREADS)
     times: dict[str, list[float]] = {"trl": [], "ours": [], "ours_generate": []}
+    phases: dict[str, list[dict]] = {"ours": [], "ours_generate": []}  # train_step's time/*
     with tempfile.TemporaryDirectory() as tmp:
         cfg, run = ours_run(Path(tmp) / "ours", n, "lean")
         _, run_generate = ours_run(Path(tmp) / "ours_generate", n, "generate")
@@ -150,14 +152,15 @@ def alternate(n: int) -> dict:
                 times["trl"].append(time.perf_counter() - self.t0)
                 for name, r in runs.items():
                     t = time.perf_counter()
-                    train_step(r, len(times[name]) + 1)
+                    rec = train_step(r, len(times[name]) + 1)
                     times[name].append(time.perf_counter() - t)
+                    phases[name].append({k: v for k, v in rec.items() if k.startswith("time/")})
 
         trainer = trl_trainer(cfg, Path(tmp) / "trl", n, [Alternate()])
         trainer.train()
         for r in runs.values():
             r.backend.close()
-    return times
+    return times, phases
 
 
 def only(side: str, n: int) -> None:
@@ -194,7 +197,11 @@ def main() -> None:
     if args.only:
         only(args.only, n)
         return
-    times = alternate(n)
+    times, phases = alternate(n)
+
+    def phase(name: str, key: str) -> float:  # median seconds of one phase of ebpo_lite's step
+        return statistics.median(p[f"time/{key}_s"] for p in phases[name][args.warmup :])
+
     ours = statistics.median(times["ours"][args.warmup :])
     ours_generate = statistics.median(times["ours_generate"][args.warmup :])
     trl_s = statistics.median(times["trl"][args.warmup :])
@@ -220,6 +227,11 @@ def main() -> None:
         "ratio": ours / trl_s,
         "ours_generate_s": ours_generate,
         "ratio_generate": ours_generate / trl_s,
+        # where ebpo_lite's step goes: sampling (with rewards) and the update, per sampler loop
+        "ours_rollout_s": phase("ours", "rollout"),
+        "ours_train_s": phase("ours", "train"),
+        "ours_generate_rollout_s": phase("ours_generate", "rollout"),
+        "ours_generate_train_s": phase("ours_generate", "train"),
         "ours_peak_rss_mib": rss["ours"],
         "trl_peak_rss_mib": rss["trl"],
         "ours_steps_s": times["ours"],
