@@ -18,8 +18,10 @@ eager attention (what `auto` picks on CPU).
 Alternation in one process: TRL's own training loop runs; a callback times each TRL step
 (on_step_begin -> on_step_end: generation, rewards, loss, backward, optimizer) and then runs one
 ebpo_lite `train_step` of each (sampling, rewards, advantages, loss, optimizer, sampler sync),
-timed on its own. So both see the same machine state, step for step. Medians over `--steps` steps of each after
-`--warmup`. Peak RSS: each side again in its own fresh process (`--only ours|trl`), VmHWM.
+timed on its own. So both see the same machine state, step for step. Medians over `--steps`
+steps of each after `--warmup`, in each of `--repeats` whole runs (the spread between runs,
+about +-10% on 2 cores, is larger than between steps); the reported ratio is the median of the
+runs' ratios. Peak RSS: each side again in its own fresh process (`--only ours|trl`), VmHWM.
 Writes benchmarks/results/step_time_vs_trl.json (ours_s, trl_s, ratio = ours / TRL, the same
 for ours_generate, ebpo_lite's sampling and update seconds from its own `time/*` metrics,
 per-step times, peak RSS, versions, command, machine).
@@ -191,20 +193,27 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="whole alternating runs")
     ap.add_argument("--only", choices=["ours", "trl"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     n = args.warmup + args.steps
     if args.only:
         only(args.only, n)
         return
-    times, phases = alternate(n)
+    reps = [alternate(n) for _ in range(args.repeats)]  # whole runs vary more than steps do
+
+    def median_of(name: str) -> list[float]:  # per repeat: median step seconds after warm-up
+        return [statistics.median(t[name][args.warmup :]) for t, _ in reps]
 
     def phase(name: str, key: str) -> float:  # median seconds of one phase of ebpo_lite's step
-        return statistics.median(p[f"time/{key}_s"] for p in phases[name][args.warmup :])
+        return statistics.median(
+            p[f"time/{key}_s"] for _, ph in reps for p in ph[name][args.warmup :]
+        )
 
-    ours = statistics.median(times["ours"][args.warmup :])
-    ours_generate = statistics.median(times["ours_generate"][args.warmup :])
-    trl_s = statistics.median(times["trl"][args.warmup :])
+    per = {name: median_of(name) for name in ("ours", "ours_generate", "trl")}
+    ratios = [o / t for o, t in zip(per["ours"], per["trl"])]
+    ratios_generate = [o / t for o, t in zip(per["ours_generate"], per["trl"])]
+    ours, ours_generate, trl_s = (statistics.median(per[k]) for k in per)
     rss = {}
     for side in ("ours", "trl"):
         out = subprocess.run(
@@ -224,9 +233,12 @@ def main() -> None:
         "warmup_steps": args.warmup,
         "ours_s": ours,
         "trl_s": trl_s,
-        "ratio": ours / trl_s,
+        "ratio": statistics.median(ratios),
+        "ratio_per_repeat": ratios,
         "ours_generate_s": ours_generate,
-        "ratio_generate": ours_generate / trl_s,
+        "ratio_generate": statistics.median(ratios_generate),
+        "ratio_generate_per_repeat": ratios_generate,
+        "repeats": args.repeats,
         # where ebpo_lite's step goes: sampling (with rewards) and the update, per sampler loop
         "ours_rollout_s": phase("ours", "rollout"),
         "ours_train_s": phase("ours", "train"),
@@ -234,9 +246,7 @@ def main() -> None:
         "ours_generate_train_s": phase("ours_generate", "train"),
         "ours_peak_rss_mib": rss["ours"],
         "trl_peak_rss_mib": rss["trl"],
-        "ours_steps_s": times["ours"],
-        "ours_generate_steps_s": times["ours_generate"],
-        "trl_steps_s": times["trl"],
+        **{f"{k}_steps_s": [t[k] for t, _ in reps] for k in ("ours", "ours_generate", "trl")},
     }
     RESULT.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if not k.endswith("steps_s")}, indent=2))
