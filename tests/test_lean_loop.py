@@ -4,6 +4,7 @@ stop ids honoured, and a training run with it."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -22,9 +23,8 @@ def policy(tmp_path_factory):
     return Policy.from_config(cfg), cfg
 
 
-def _sampler(cfg, policy, loop: str, **rollout) -> HFRollout:
-    r = cfg.rollout.__class__(**{**cfg.rollout.__dict__, "hf_loop": loop, **rollout})
-    return HFRollout(r, policy)
+def _sampler(cfg, policy, loop: str) -> HFRollout:
+    return HFRollout(dataclasses.replace(cfg.rollout, hf_loop=loop), policy)
 
 
 def _prompts(policy, n=24):

@@ -7,9 +7,9 @@ softmax(logits / T) with the same top-k, top-p and min-p filters as `generate` (
 seeded `torch.multinomial`, argmax at temperature 0, stop at every stop id. It draws from the
 same seeded stream as `generate` in the same row order, so for the same seed it returns the same
 completions (all 512 of 512 in tests/test_lean_loop.py; a draw can differ only where round-off
-between the two forward paths moves it across a boundary), and on a small model in about half
-the time: `generate`'s per-token machinery, not the model, is most of the
-cost there (benchmarks/step_time_vs_trl.py). On a GPU with a real model the model dominates and
+between the two forward paths moves it across a boundary), and on a small model in about two
+thirds of the time (0.047 s against 0.070 s per step of 256 completions, rewards included:
+benchmarks/step_time_vs_trl.py): `generate`'s per-token machinery is much of the cost there. On a GPU with a real model the model dominates and
 the two are alike; the fast sampler there is vLLM.
 
 The sampler is the policy itself, so `sync` has nothing to do. Sampling is seeded per call inside
