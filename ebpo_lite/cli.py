@@ -6,7 +6,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ebpo_lite.errors import UserError
+from ebpo_lite.errors import TrainingFault, UserError
 
 
 def quiet_libraries() -> None:
@@ -23,11 +23,15 @@ def quiet_libraries() -> None:
 
 
 def run(fn: Callable[..., Any], *args: Any) -> int:
-    """Call `fn(*args)`; a `UserError` becomes one line on stderr and exit status 2."""
+    """Call `fn(*args)`; a `UserError` becomes one line on stderr and exit status 2, a
+    `TrainingFault` (the run stopped itself, see `faults.py`) one line and exit status 3."""
     quiet_libraries()
     try:
         fn(*args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except TrainingFault as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     return 0

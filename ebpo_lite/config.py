@@ -149,6 +149,7 @@ class TrainConfig:
     resume: bool = False
     overwrite: bool = False  # a fresh run in an output_dir with checkpoints replaces them
     threads: int = 0  # torch threads on CPU; 0: leave torch's default
+    max_consecutive_skips: int = 5  # steps in a row skipped on NaN / inf before the run stops
 
 
 @dataclass(frozen=True)
@@ -422,6 +423,7 @@ def validate(cfg: Config) -> None:
     _check(t.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1")
     _check(t.stop_after >= 0, "train.stop_after", "must be >= 0")
     _check(t.threads >= 0, "train.threads", "must be >= 0")
+    _check(t.max_consecutive_skips >= 1, "train.max_consecutive_skips", "must be >= 1")
     _check(e.every >= 0, "eval.every", "must be >= 0")
     _check(e.num_examples >= 0, "eval.num_examples", "must be >= 0")
     _check(e.k >= 1, "eval.k", "must be >= 1")

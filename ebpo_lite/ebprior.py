@@ -430,6 +430,23 @@ class EBPrior:
                     if j > 0:
                         s.acc[f].merge(cnt[j], mean[j], m2[j])
 
+    def snapshot(self) -> tuple:
+        """A cheap copy for `restore` (a step undone after a fault): the accumulators deep, the
+        prompt histories shallow (`_PromptHistory.add` replaces rows, never mutates them)."""
+        p = self.prompts
+        hist = (dict(p.rows), dict(p.before), p.step) if self.prompt_prior else None
+        return self.step, copy.deepcopy(self.glob), copy.deepcopy(self.by_key), hist
+
+    def restore(self, snap: tuple) -> None:
+        self.step, glob, by_key, hist = snap
+        self.glob, self.by_key = copy.deepcopy(glob), copy.deepcopy(by_key)
+        if hist is not None:
+            self.prompts.rows, self.prompts.before, self.prompts.step = (
+                dict(hist[0]),
+                dict(hist[1]),
+                hist[2],
+            )
+
     def state_dict(self) -> dict[str, Any]:
         state = {
             "version": 1,

@@ -10,3 +10,11 @@ class UserError(Exception):
 
 class ConfigError(UserError):
     """A bad config key, type or value. The message starts with the dotted key."""
+
+
+class TrainingFault(Exception):
+    """Training cannot go on (e.g. too many steps in a row with non-finite values).
+
+    Printed as one line to stderr, exit status 3; the message names the likely cause and the
+    checkpoint left behind.
+    """

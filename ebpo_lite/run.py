@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ebpo_lite import checkpoint, config, curriculum, data, loss, rewards
+from ebpo_lite import checkpoint, config, curriculum, data, faults, loss, rewards
 from ebpo_lite.advantages import EBPrior, compute_advantages
 from ebpo_lite.errors import ConfigError, UserError
 from ebpo_lite.policy import Policy, completion_logprobs
@@ -234,6 +234,7 @@ class Run:
         cfg, a, policy = self.cfg, self.cfg.algo, self.policy
         mini_tokens = sum(len(roll.completion_ids[i]) for i in mini) or 1
         self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros(())
         for c in self._chunks(mini, prompts, roll):
             b = policy.batch([prompts[i] for i in c], [roll.completion_ids[i] for i in c])
             logp, entropy = completion_logprobs(
@@ -264,15 +265,17 @@ class Run:
             tokens = sum(len(roll.completion_ids[i]) for i in c)  # = the mask's sum, no sync
             share = loss.microbatch_weight(a.loss_agg, tokens, len(c), mini_tokens, len(mini))
             (lval * share).backward()
+            loss_sum = loss_sum.to(lval.device) + lval.detach()
             st["entropy"] = loss.masked_mean(entropy, b.completion_mask)
             _accumulate(stats, st, share * weight)
         params = policy.trainable_parameters()
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm)
+        faults.check_update(loss_sum, norm)  # NaN / inf: no step (train_step undoes the rest)
         self.optimizer.step()
         return norm
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, step: int) -> Path:
+    def save(self, step: int, extra: dict | None = None) -> Path:
         return checkpoint.save(
             self.cfg.output_dir,
             step,
@@ -281,24 +284,26 @@ class Run:
             self.scheduler,
             self.prior,
             self.curriculum,
+            extra=extra,
             keep=self.cfg.train.keep_checkpoints,
         )
 
-    def maybe_resume(self) -> int:
+    def maybe_resume(self) -> tuple[int, dict]:
+        """(step, the checkpoint's `extra`) of the newest checkpoint, or (0, {})."""
         if not self.cfg.train.resume:
-            return 0
+            return 0, {}
         path = checkpoint.latest(self.cfg.output_dir)
         if path is None:
             print(
                 f"train.resume: no checkpoint in {self.cfg.output_dir}; starting fresh", flush=True
             )
-            return 0
+            return 0, {}
         state = checkpoint.load(
             path, self.policy, self.optimizer, self.scheduler, self.prior, self.curriculum
         )
         self.backend.sync(self.policy, version=state["step"])
         print(f"resumed from {path} (step {state['step']})", flush=True)
-        return int(state["step"])
+        return int(state["step"]), dict(state.get("extra") or {})
 
 
 def load_policy(cfg: config.Config, log=print) -> Policy:
@@ -322,6 +327,7 @@ def build_run(cfg: config.Config) -> Run:
     from ebpo_lite.plan import preflight
 
     preflight(cfg)  # on a GPU: refuse a plan that cannot fit before the model loads (CPU: no-op)
+    checkpoint.check_disk(cfg)  # room for the checkpoints the recipe keeps
     policy = load_policy(cfg)
     prompt_ids = data.encode_prompts(policy.tokenizer, train_ex, cfg.data)
     fns, weights = reward_functions(cfg)
@@ -494,7 +500,8 @@ def _pad(rows: list[list[float]], width: int) -> torch.Tensor:
 def curriculum_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Rewards [B, G] for `Run.curriculum.update`: NaN where unscorable, which samplers skip (a reward
     of None is no evidence of failure)."""
-    return torch.where(mask, rewards, torch.full_like(rewards, math.nan))  # [B, G]
+    ok = mask & torch.isfinite(rewards)  # a NaN / inf reward (a skipped step) is unscorable
+    return torch.where(ok, rewards, torch.full_like(rewards, math.nan))  # [B, G]
 
 
 def _concat(a: Rollout, b: Rollout) -> Rollout:

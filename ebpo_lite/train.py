@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ebpo_lite import checkpoint, cli, config
+from ebpo_lite import checkpoint, cli, config, faults
 from ebpo_lite.advantages import frac_zero_std_groups
 from ebpo_lite.metrics import Metrics
 from ebpo_lite.run import Run, build_run
@@ -38,14 +38,22 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     rollout, rewards, mask = sample.rollout, sample.rewards, sample.mask  # rewards/mask [B, G]
     run.backend.sleep()  # and freed for training
     t_rollout = time.perf_counter() - t0
-    # 2. the EB prior observes every drawn group, then advantages for the kept ones
-    run.observe(sample)
-    adv, adv_stats = run.advantages(rewards, mask, sample.idx)  # [B, G]
-    # 3. loss and gradients over micro-batches, num_iterations passes over the rollout
-    t1 = time.perf_counter()
-    prompts = [rollout.prompt_ids[i // G] for i in range(len(rollout.completion_ids))]
-    loss_stats = run.optimize(prompts, rollout, adv.reshape(-1), mask.reshape(-1))
-    t_train = time.perf_counter() - t1
+    # 2. the EB prior observes every drawn group, then advantages for the kept ones. From here a
+    #    NaN / inf skips the step: what it changed is undone, nothing reaches the sampler
+    faults.check_rewards(sample.drawn_rewards, sample.drawn_mask)
+    undo = faults.Undo(run)
+    try:
+        run.observe(sample)
+        adv, adv_stats = run.advantages(rewards, mask, sample.idx)  # [B, G]
+        faults.check_advantages(adv, mask)
+        # 3. loss and gradients over micro-batches, num_iterations passes over the rollout
+        t1 = time.perf_counter()
+        prompts = [rollout.prompt_ids[i // G] for i in range(len(rollout.completion_ids))]
+        loss_stats = run.optimize(prompts, rollout, adv.reshape(-1), mask.reshape(-1))
+        t_train = time.perf_counter() - t1
+    except faults.NonFinite:
+        undo.restore()
+        raise
     # 4. the sampler gets the new adapter (and base tensors, if any are trained)
     run.backend.sync(policy, version=step)
     t_sync = time.perf_counter() - t1 - t_train
@@ -76,7 +84,9 @@ def train(cfg: config.Config) -> dict[str, Any]:
     """Run (or resume) training; returns the summary that is also printed."""
     run = build_run(cfg)
     out = Path(cfg.output_dir)
-    start = run.maybe_resume()
+    start, resumed = run.maybe_resume()
+    skips = faults.Skips(cfg.train.max_consecutive_skips)
+    skips.load_state_dict(resumed.get("skips", {}))
     metrics = Metrics(
         out,
         cfg.train.steps,
@@ -101,12 +111,17 @@ def train(cfg: config.Config) -> dict[str, Any]:
             step += 1
             try:
                 record = train_step(run, step)
+                skips.good()
+                record["train/skipped_steps"] = skips.total
             except StopIteration:  # a one-pass curriculum ran out of prompts
                 print(f"curriculum exhausted after step {step - 1}", flush=True)
                 step -= 1
                 break
+            except faults.NonFinite as fault:  # nothing of the step was applied
+                record = skips.skip(step, fault.reason)
             metrics.log(step, record)
             metrics.progress(step, record)
+            skips.maybe_stop(step)  # too many in a row: TrainingFault, no checkpoint
             steps_here += 1
             final = step == cfg.train.steps
             if (cfg.eval.every and step % cfg.eval.every == 0) or final:
@@ -121,7 +136,7 @@ def train(cfg: config.Config) -> dict[str, Any]:
                 or interrupted
                 or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0)
             ):
-                run.save(step)
+                run.save(step, extra={"skips": skips.state_dict()})
             if interrupted:
                 why = (
                     f"signal {stop.raised}"
