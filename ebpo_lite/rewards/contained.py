@@ -73,8 +73,9 @@ def check_result(values: Any, n: int) -> tuple[list[float | None], int, str | No
     if isinstance(values, np.ndarray) and values.ndim == 1:
         values = values.tolist()  # numpy scalars -> Python numbers
     if not isinstance(values, (list, tuple)):
-        what = f"array of shape {values.shape}" if isinstance(values, np.ndarray) else "a"
-        return [None] * n, n, f"returned {what} {type(values).__name__}, not a list of {n}"
+        what = f"an array of shape {values.shape}" if isinstance(values, np.ndarray) else None
+        what = what or f"a {type(values).__name__}"
+        return [None] * n, n, f"returned {what}, not a list of {n} values"
     if len(values) != n:
         return [None] * n, n, f"returned {len(values)} values for {n} completions"
     out: list[float | None] = []
