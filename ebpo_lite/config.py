@@ -115,7 +115,10 @@ class AlgoConfig:
 class RewardConfig:
     functions: list[str] = field(default_factory=lambda: ["auto"])  # auto: by dataset
     weights: list[float] = field(default_factory=list)  # empty: all 1.0
-    timeout_s: float = 5.0  # math verification time limit per answer
+    # seconds: the limit per answer of built-in math verification (math_answer; a timeout scores
+    # 0.0), and per batch (one call, every completion of a draw) of a user `module:function`
+    # (a timeout masks that batch; see rewards/contained.py)
+    timeout_s: float = 5.0
     length_penalty: float = 0.0  # DAPO overlong penalty at max_new_tokens, linear ramp from start
     length_penalty_start: float = 0.8
 

@@ -118,6 +118,7 @@ def label(args: argparse.Namespace) -> Path:
     finally:
         bar.close()
         sampler.close()
+        rewards.close_contained(fns)
     rates = [r["pass_rate"] for r in read_jsonl(out) if r["pass_rate"] is not None]
     mean = sum(rates) / len(rates) if rates else float("nan")
     print(

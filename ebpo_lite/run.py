@@ -37,6 +37,7 @@ class Sample:
     drawn_rewards: torch.Tensor  # [B_drawn, G]
     drawn_mask: torch.Tensor  # [B_drawn, G]
     extra_draws: int
+    reward_errors: dict[str, int]  # reward/errors, reward/timeouts: masked by containment
 
 
 @dataclass
@@ -82,7 +83,7 @@ class Run:
             chosen = keep.nonzero().flatten()[:B].tolist() or list(range(B))
             idx = [idx[i] for i in chosen]
             roll, r, m = _select(roll, chosen, G), r[chosen], m[chosen]
-        return Sample(idx, roll, r, m, *drawn, extra)
+        return Sample(idx, roll, r, m, *drawn, extra, rewards.take_error_counts(self.reward_fns))
 
     def observe(self, sample: Sample) -> None:
         """The EB prior's step 1 with every drawn group (ALGORITHM.md: W_r receives every reward)."""

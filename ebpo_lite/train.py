@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ebpo_lite import checkpoint, cli, config, faults
+from ebpo_lite import checkpoint, cli, config, faults, rewards
 from ebpo_lite.advantages import frac_zero_std_groups
 from ebpo_lite.metrics import Metrics
 from ebpo_lite.run import Run, build_run
@@ -72,6 +72,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         "train/extra_draws": sample.extra_draws,
         "train/groups_drawn": len(sample.drawn_idx),
         "train/groups_kept": len(sample.idx),
+        **sample.reward_errors,
         **loss_stats,
         **{f"adv/{k}": v for k, v in adv_stats.items()},
         "time/rollout_s": t_rollout,
@@ -152,6 +153,7 @@ def train(cfg: config.Config) -> dict[str, Any]:
         stop.restore()
         metrics.close()
         run.backend.close()
+        rewards.close_contained(run.reward_fns)
     seconds = time.perf_counter() - t_start
     summary = _summary(cfg, run, first_eval, last_eval, step, seconds, eval_s)
     return summary

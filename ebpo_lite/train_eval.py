@@ -6,6 +6,8 @@ temperature-1 sample is right, from the trainer's forward pass: no sampling nois
 each also per type where the problems carry labels (`eval/accuracy/topic=add`,
 `eval/accuracy/difficulty=2`, ...), and, when `eval.benchmarks` is set, `eval/<bench>/pass@1`, `eval/<bench>/maj@k`, `eval/<bench>/pass@k` with
 `eval.k` samples (`ebpo_lite.eval`'s metrics); `time/eval_s` is the wall time of all of it.
+With a user reward function first, `eval/reward_errors` counts its masked scores (left out of
+`eval/accuracy`, as in training; see `rewards/contained.py`).
 
 Sampler: the run's own engine when `rollout.backend` is vllm (or unsloth) and the eval's prompts +
 `eval.max_new_tokens` fit its context: the colocated engine already serves the current adapter
@@ -31,6 +33,7 @@ from ebpo_lite.eval import (
     mean_over_benchmarks,
     summarize,
 )
+from ebpo_lite.rewards import ContainedReward, take_error_counts
 
 if TYPE_CHECKING:
     from ebpo_lite.run import Run
@@ -57,8 +60,10 @@ def evaluate_policy(run: Run) -> dict[str, Any]:
         )
         texts = policy.tokenizer.batch_decode(roll.completion_ids, skip_special_tokens=True)
         _, fn = run.reward_fns[0]
-        scores = fn(texts, [ex.answer for ex in examples])
+        scores = fn(texts, [ex.answer for ex in examples], timeout_s=cfg.reward.timeout_s)
         out.update(per_type_means("eval/accuracy", scores, examples))
+        if isinstance(fn, ContainedReward):  # a user function: masked scores are left out
+            out["eval/reward_errors"] = take_error_counts([fn])["reward/errors"]
         if is_arithmetic(cfg.data):
             exact = expected_accuracies(policy, prompts, [ex.answer for ex in examples])
             out.update(per_type_means("eval/expected_accuracy", exact, examples))

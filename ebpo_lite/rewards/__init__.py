@@ -2,9 +2,13 @@
 format, the overlong length penalty, and the weighted combination of several reward functions.
 
 All reward functions follow TRL's convention: `fn(completions, **columns) -> list[float | None]`.
-See `functions.py` for the choices made, `verify_pool.py` for the time limit design.
+See `functions.py` for the choices made, `verify_pool.py` for the time limit design, and
+`contained.py` for how user functions (`module:function`) run: in a worker process, where an
+exception, a hang or a bad result masks the affected completions and is counted.
 """
 
+from ebpo_lite.rewards.contained import ContainedReward, take_error_counts
+from ebpo_lite.rewards.contained import close as close_contained
 from ebpo_lite.rewards.extract import completion_text, extract_answer, normalize_gold
 from ebpo_lite.rewards.functions import (
     REWARD_FUNCTIONS,
@@ -21,8 +25,10 @@ from ebpo_lite.rewards.verify_pool import close, configure, stats
 
 __all__ = [
     "REWARD_FUNCTIONS",
+    "ContainedReward",
     "arithmetic_answer",
     "close",
+    "close_contained",
     "combine_rewards",
     "completion_text",
     "configure",
@@ -35,4 +41,5 @@ __all__ = [
     "math_answer",
     "normalize_gold",
     "stats",
+    "take_error_counts",
 ]

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ebpo_lite.rewards import verify_pool
+from ebpo_lite.rewards.contained import ContainedReward
 from ebpo_lite.rewards.extract import (
     boxed_spans,
     canonical_int,
@@ -176,7 +177,12 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
 
 
 def get_reward_fn(name: str) -> RewardFn:
-    """A built-in reward by name, or a user function given as "package.module:function"."""
+    """A built-in reward by name, or a user function given as "package.module:function".
+
+    A user function is imported here (so a bad path fails at once) and returned as a
+    `ContainedReward`: it runs in its own worker process, and its exceptions, hangs and bad
+    results mask the affected completions instead of ending the run (see `contained.py`).
+    """
     if name in REWARD_FUNCTIONS:
         return REWARD_FUNCTIONS[name]
     known = ", ".join(REWARD_FUNCTIONS)
@@ -185,6 +191,11 @@ def get_reward_fn(name: str) -> RewardFn:
             f"reward function {name!r}: unknown (expected one of {known}, or 'module:function')"
         )
     module_name, _, attr = name.partition(":")
+    if module_name == "__main__":
+        raise ValueError(
+            f"reward function {name!r}: __main__ cannot be imported by its worker process; "
+            "put the function in a module"
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
@@ -192,7 +203,7 @@ def get_reward_fn(name: str) -> RewardFn:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"reward function {name!r}: {module_name} has no callable {attr!r}")
-    return fn
+    return ContainedReward(name)
 
 
 def default_reward_names(data_name: str) -> list[str]:
