@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -114,15 +115,21 @@ def _plain(v: Any) -> Any:
 
 
 def _truncate_after(path: Path, step: int) -> None:
-    """On resume, drop records of steps after the checkpoint so the file tells one history."""
+    """On resume, drop records of steps after the checkpoint so the file tells one history; a
+    line cut short by a crash mid-write (not JSON) is dropped too."""
     if not path.exists():
         return
     if step == 0:
         path.unlink()
         return
-    keep = [
-        line
-        for line in path.read_text().splitlines()
-        if line.strip() and json.loads(line).get("step", 0) <= step
-    ]
-    path.write_text("".join(line + "\n" for line in keep))
+    keep = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("step", 0) <= step:
+            keep.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)  # a crash here leaves the old file or the new one, never half of it

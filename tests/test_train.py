@@ -159,7 +159,10 @@ def test_four_bit_policy_runs(tmp_path):
     assert any(isinstance(m, bnb.nn.Linear4bit) for m in policy.model.modules())
 
 
-def test_sigterm_finishes_step_and_checkpoints(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_finishes_step_and_checkpoints(tmp_path, sig):
+    """SIGTERM (a preempted Colab / Kaggle machine) or SIGINT (Ctrl-C): the step finishes, a
+    checkpoint of it is written, exit 0."""
     out = tmp_path / "run"
     args = fast_overrides(out, **{"train.steps": 500, "log.progress": "lines"})
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -179,10 +182,10 @@ def test_sigterm_finishes_step_and_checkpoints(tmp_path):
         ):
             break
         time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr
-    assert "stopped cleanly" in stdout
+    assert "stopped cleanly after step" in stdout and sig.name in stdout
     ckpts = [p.name for p in (out / "checkpoints").iterdir()]
     assert len(ckpts) == 1 and ckpts[0].startswith("step_")
     last = max(r["step"] for r in read_metrics(metrics))
