@@ -403,7 +403,8 @@ def _source(cfg: DataConfig) -> tuple[str, Iterator[tuple[str, Any]]]:
     if cfg.name in LOCAL_FILES and cfg.name not in HUB_IDS:
         raise UserError(
             f"data.name: preset {cfg.name!r} reads shared data, not found (set EBPO_LITE_DATA to "
-            f"the folder holding {LOCAL_FILES[cfg.name]}, or set data.path)"
+            f"the folder holding {', '.join(sorted(set(LOCAL_FILES[cfg.name].values())))}, or "
+            "set data.path)"
         )
     split = HUB_SPLITS.get(cfg.name, cfg.split)
     return cfg.name, _hub_records(HUB_IDS.get(cfg.name, cfg.name), split)

@@ -131,7 +131,7 @@ MISTAKES = [
     Mistake("float_wrong_type", (R, "train.lr=fast"), "train.lr", "expected a float"),
     Mistake("bool_wrong_type", (R, "train.resume=maybe"), "train.resume", "expected true or false"),
     Mistake("list_expected", (R, "train.betas=0.9"), "train.betas", "expected a list"),
-    Mistake("list_element_type", (R, "reward.functions=[auto]", "reward.weights=[x]"), "reward.weights[0]", "expected a float"),
+    Mistake("list_element_type", (R, "reward.weights=[x]"), "reward.weights[0]", "expected a float"),
     # overrides: choices
     Mistake("bad_estimator", (R, "algo.estimator=ppo"), "algo.estimator", "expected one of grpo, dr_grpo, rloo, ebpo"),
     Mistake("bad_sampler", (R, "curriculum.sampler=random"), "curriculum.sampler", "expected one of shuffle"),
@@ -170,7 +170,7 @@ MISTAKES = [
     Mistake("data_bad_json_array", (R, "data.path={tmp}/d.json"), "d.json:3: invalid JSON", "fix the file there", _write("d.json", '[\n  {"problem": "1+1?", "answer": "2"},\n  {"problem": "2+2?" "answer": "4"}\n]\n')),
     Mistake("data_missing_answer", (R, "data.path={tmp}/d.jsonl", "data.preset=math"), "d.jsonl:1: answer: missing field", "fix the row", _jsonl("d.jsonl", '{"problem": "1+1?", "solution": "2"}')),
     Mistake("data_wrong_type", (R, "data.path={tmp}/d.jsonl"), "d.jsonl:2: problem: expected a string", "fix the row", _jsonl("d.jsonl", '{"problem": "1+1?", "answer": "2"}', '{"problem": 42, "answer": "2"}')),
-    Mistake("data_record_not_object", (R, "data.path={tmp}/d.jsonl", "data.preset=math"), "d.jsonl:1: record: expected a JSON object", "fix the row", _jsonl("d.jsonl", "[1, 2]")),
+    Mistake("data_record_not_object", (R, "data.path={tmp}/d.jsonl", "data.preset=math"), "d.jsonl:2: record: expected a JSON object", "fix the row", _jsonl("d.jsonl", '{"problem": "1+1?", "answer": "2"}', '"1+1=2"')),
     Mistake("data_all_answers_null", (R, "data.path={tmp}/d.jsonl"), "d.jsonl: no usable examples", "data.answer_field", _jsonl("d.jsonl", '{"problem": "1+1?", "answer": null}')),
     Mistake("data_schema_unknown", (R, "data.path={tmp}/d.jsonl"), "d.jsonl: cannot guess the schema", "set data.preset", _jsonl("d.jsonl", '{"q": "1+1?", "a": "2"}')),
     Mistake("data_generic_field_missing", (R, "data.path={tmp}/d.jsonl", "data.prompt_field=text", "data.answer_field=gold"), "d.jsonl:1: text: missing field", "fix the row", _jsonl("d.jsonl", '{"problem": "1+1?", "answer": "2"}')),
