@@ -222,7 +222,10 @@ def check_disk(cfg: Any) -> None:
     each = bytes_per_checkpoint(n)
     have = len(list_checkpoints(cfg.output_dir))
     need = max(cfg.train.keep_checkpoints + 1 - have, 1) * each
-    free = shutil.disk_usage(cfg.output_dir).free
+    where = Path(cfg.output_dir).absolute()
+    while not where.exists() and where != where.parent:  # not made yet: the disk it will be on
+        where = where.parent
+    free = shutil.disk_usage(where).free
     if free < need:
         mib = 1 << 20
         raise UserError(

@@ -11,6 +11,7 @@ PyYAML reads `1e-5` as a string (YAML 1.1 wants `1.0e-5`): float fields accept s
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -212,19 +213,28 @@ def dump(cfg: Config) -> str:
 
 def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
-        raise ConfigError(f"{path}: recipe file not found")
+        what = "is a folder, not a recipe file" if path.is_dir() else "recipe file not found"
+        raise ConfigError(
+            f"{path}: {what}; give the path of a YAML recipe, e.g. recipes/tiny_cpu.yaml"
+        )
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-        raise ConfigError(f"{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+        raise ConfigError(
+            f"{where}: not valid YAML ({getattr(e, 'problem', e)}); fix the indentation, "
+            "colon or bracket there"
+        ) from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: cannot read ({e})") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+        raise ConfigError(
+            f"{path}: expected a mapping of sections at the top level (model:, data:, train:, ...), "
+            f"got a {type(data).__name__}"
+        )
     return data
 
 
@@ -241,7 +251,8 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
     for p in parts[:-1]:
         node = node.setdefault(p, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"{key}: {p} is not a section")
+            head = key[: key.index(p) + len(p)]
+            raise ConfigError(f"{key}: {head} is a value, not a section; write {head}=VALUE")
     node[parts[-1]] = value
 
 
@@ -250,7 +261,11 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected a section (mapping), got {raw!r}")
+        first = dataclasses.fields(cls)[0].name
+        raise ConfigError(
+            f"{where}: expected a section of keys, got {raw!r}; set its keys one by one, "
+            f"e.g. {where}.{first}=..."
+        )
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     for key in raw:
@@ -258,6 +273,7 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
             kind = "section" if not prefix else "key"
             raise ConfigError(
                 f"{prefix}{key}: unknown {kind} (expected one of: {', '.join(sorted(names))})"
+                + _did_you_mean(str(key), names, prefix)
             )
     kwargs = {}
     for f in dataclasses.fields(cls):
@@ -321,8 +337,15 @@ def _check(ok: bool, key: str, msg: str) -> None:
         raise ConfigError(f"{key}: {msg}")
 
 
+def _did_you_mean(value: str, choices, prefix: str = "") -> str:
+    """'; did you mean X?' for a near miss (a typo), else ''."""
+    close = difflib.get_close_matches(value, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {prefix}{close[0]}?" if close else ""
+
+
 def _one_of(value: str, choices: tuple[str, ...] | list[str], key: str) -> None:
-    _check(value in choices, key, f"expected one of {', '.join(choices)}, got {value!r}")
+    hint = _did_you_mean(value, choices)
+    _check(value in choices, key, f"expected one of {', '.join(choices)}, got {value!r}{hint}")
 
 
 def validate(cfg: Config) -> None:
@@ -355,6 +378,9 @@ def validate(cfg: Config) -> None:
     _check(d.max_examples >= 0, "data.max_examples", "must be >= 0")
     _check(d.num_train >= 1, "data.num_train", "must be >= 1")
     _check(d.num_eval >= 0, "data.num_eval", "must be >= 0")
+    from ebpo_lite.presets import BENCHMARKS, PRESETS
+
+    _one_of(d.preset, PRESETS, "data.preset")
     _one_of(r.backend, BACKENDS, "rollout.backend")
     _check(r.group_size >= 2, "rollout.group_size", f"must be >= 2, got {r.group_size}")
     _check(r.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {r.max_new_tokens}")
@@ -382,7 +408,8 @@ def validate(cfg: Config) -> None:
         _check(
             not getattr(a, flag) or a.estimator == "ebpo",
             f"algo.{flag}",
-            f"is an option of algo.estimator=ebpo, not {a.estimator}",
+            f"is an option of algo.estimator=ebpo, not {a.estimator}; set algo.estimator=ebpo "
+            f"or algo.{flag}=false",
         )
     _check(a.clip_eps_low >= 0, "algo.clip_eps_low", "must be >= 0")
     _check(a.clip_eps_high >= 0, "algo.clip_eps_high", "must be >= 0")
@@ -425,14 +452,18 @@ def validate(cfg: Config) -> None:
     _check(t.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0")
     _check(t.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1")
     _check(t.stop_after >= 0, "train.stop_after", "must be >= 0")
+    _check(
+        not (t.resume and t.overwrite),
+        "train.overwrite",
+        "true together with train.resume=true: continue the run (resume) or replace its "
+        "checkpoints (overwrite), not both",
+    )
     _check(t.threads >= 0, "train.threads", "must be >= 0")
     _check(t.max_consecutive_skips >= 1, "train.max_consecutive_skips", "must be >= 1")
     _check(e.every >= 0, "eval.every", "must be >= 0")
     _check(e.num_examples >= 0, "eval.num_examples", "must be >= 0")
     _check(e.k >= 1, "eval.k", "must be >= 1")
     _check(e.temperature >= 0, "eval.temperature", "must be >= 0")
-    from ebpo_lite.presets import BENCHMARKS
-
     for name in e.benchmarks:
         _one_of(name, ("arithmetic", *BENCHMARKS), "eval.benchmarks")
     _one_of(cfg.log.progress, ("auto", "bar", "lines", "none"), "log.progress")

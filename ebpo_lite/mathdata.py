@@ -91,13 +91,18 @@ def _read_json_array(text: str, path: Path) -> Iterator[tuple[str, Any]]:
         try:
             obj, end = dec.raw_decode(text, i)
         except json.JSONDecodeError as e:
-            raise UserError(f"{where(e.pos)}: invalid JSON ({e.msg})") from None
+            raise UserError(
+                f"{where(e.pos)}: invalid JSON ({e.msg}); fix the file there (a JSON array "
+                "cannot skip a bad row, JSON lines can)"
+            ) from None
         yield where(i), obj
         i = ws.match(text, end).end()
         if i < len(text) and text[i] == ",":
             i = ws.match(text, i + 1).end()
         elif i >= len(text) or text[i] != "]":
-            raise UserError(f"{where(i)}: invalid JSON (expected ',' or ']' after a record)")
+            raise UserError(
+                f"{where(i)}: invalid JSON (expected ',' or ']' after a record); fix the file there"
+            )
 
 
 def _read_json_lines(text: str, path: Path) -> Iterator[tuple[str, Any]]:
@@ -113,8 +118,10 @@ def _read_json_lines(text: str, path: Path) -> Iterator[tuple[str, Any]]:
 def read_records(path: str | Path) -> Iterator[tuple[str, Any]]:
     """(location, record) pairs of a local file; a record that failed to parse is a _RowError."""
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{path}: is a folder; set data.path to a .json, .jsonl or .parquet file")
     if not path.is_file():
-        raise UserError(f"{path}: data file not found")
+        raise UserError(f"{path}: data file not found; check data.path")
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         try:
@@ -396,7 +403,8 @@ def _source(cfg: DataConfig) -> tuple[str, Iterator[tuple[str, Any]]]:
     if cfg.name in LOCAL_FILES and cfg.name not in HUB_IDS:
         raise UserError(
             f"data.name: preset {cfg.name!r} reads shared data, not found (set EBPO_LITE_DATA to "
-            f"the folder holding {LOCAL_FILES[cfg.name]}, or set data.path)"
+            f"the folder holding {', '.join(sorted(set(LOCAL_FILES[cfg.name].values())))}, or "
+            "set data.path)"
         )
     split = HUB_SPLITS.get(cfg.name, cfg.split)
     return cfg.name, _hub_records(HUB_IDS.get(cfg.name, cfg.name), split)
@@ -426,7 +434,9 @@ def _load(cfg: DataConfig, source: str, records: Iterator[tuple[str, Any]]) -> E
     out = Examples()
     out.source = source
     mapper: Callable[[dict], Row] | None = None
+    rows = 0
     for where, row in records:
+        rows += 1
         try:
             if isinstance(row, _RowError):
                 raise row
@@ -443,7 +453,9 @@ def _load(cfg: DataConfig, source: str, records: Iterator[tuple[str, Any]]) -> E
         except _RowError as e:
             msg = f"{where}: {e}"
             if not cfg.skip_bad_rows:
-                raise UserError(f"{msg} (data.skip_bad_rows=true skips such rows)") from None
+                raise UserError(
+                    f"{msg} (fix the row, or set data.skip_bad_rows=true to skip such rows)"
+                ) from None
             out.skipped += 1
             out.first_error = out.first_error or msg
             continue
@@ -455,13 +467,28 @@ def _load(cfg: DataConfig, source: str, records: Iterator[tuple[str, Any]]) -> E
                 prompt=prompt, answer=answer, topic=topic, difficulty=diff, meta=_meta(row, used)
             )
         )
+    if not out:
+        raise UserError(_nothing_usable(source, rows, out))
     if out.skipped:
         log.warning("%s: skipped %d bad rows (first: %s)", source, out.skipped, out.first_error)
     if out.unscorable:
         log.warning("%s: dropped %d rows with a null or empty answer", source, out.unscorable)
-    if not out:
-        raise UserError(f"{source}: no usable examples")
     return out
+
+
+def _nothing_usable(source: str, rows: int, out: Examples) -> str:
+    """The one line for a source that gave no example: empty, or every row dropped and why."""
+    if not rows:
+        return f"{source}: no records (an empty file?); give a file with one JSON object per line"
+    why = []
+    if out.unscorable:
+        why.append(f"{out.unscorable} with a null or empty answer")
+    if out.skipped:
+        why.append(f"{out.skipped} malformed (first: {out.first_error})")
+    return (
+        f"{source}: no usable examples among {rows} rows ({'; '.join(why)}); check "
+        "data.preset and data.answer_field"
+    )
 
 
 def load_examples(cfg: DataConfig) -> list[Example]:
@@ -522,7 +549,10 @@ def apply_labels(examples: list[Example], labels_path: str | Path) -> list[Examp
     """
     path = Path(labels_path)
     if not path.is_file():
-        raise UserError(f"data.labels_path: {path} not found")
+        raise UserError(
+            f"data.labels_path: {path} not found; write it with python -m ebpo_lite.difficulty, "
+            "or set data.labels_path=null"
+        )
     out = list(examples)
     for where, row in _read_json_lines(path.read_text(encoding="utf-8"), path):
         try:

@@ -213,9 +213,11 @@ class Policy:
         """transformers + peft. (`run.load_policy` picks Unsloth's loader for its backend.)"""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from ebpo_lite.checks import model_name
         from ebpo_lite.device import resolve_attn, resolve_device, resolve_dtype
 
         m = cfg.model
+        model_name(m.name)  # a mistyped path fails here, not as a hub download
         device = resolve_device(m.device)
         dtype = resolve_dtype(m.dtype, device)
         if m.name == "tiny":
@@ -236,9 +238,11 @@ class Policy:
                 base_path, trust_remote_code=m.trust_remote_code
             )
             model = AutoModelForCausalLM.from_pretrained(base_path, **kwargs)
-        except OSError as e:
+        except (OSError, ValueError) as e:  # no such hub id, no network, unreadable files
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(
-                f"model.name: cannot load {base_path!r} ({str(e).splitlines()[0]})"
+                f"model.name: cannot load {base_path!r} ({first}); give a hub id (owner/name), "
+                "a local model folder, or tiny; offline, set HF_HUB_OFFLINE=1 to use the cache"
             ) from None
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
@@ -346,7 +350,8 @@ def _nf4_config(dtype: torch.dtype):
         import bitsandbytes  # noqa: F401
     except ImportError:
         raise UserError(
-            "model.load_in_4bit: needs bitsandbytes (pip install 'ebpo-lite[bnb]')"
+            "model.load_in_4bit: needs bitsandbytes (pip install 'ebpo-lite[bnb]'), "
+            "or set model.load_in_4bit=false"
         ) from None
     from transformers import BitsAndBytesConfig
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ebpo_lite import checkpoint, config, curriculum, data, faults, loss, rewards
+from ebpo_lite import checkpoint, checks, config, curriculum, data, faults, loss, rewards
 from ebpo_lite.advantages import EBPrior, compute_advantages
 from ebpo_lite.errors import ConfigError, UserError
 from ebpo_lite.policy import Policy, completion_logprobs
@@ -318,20 +318,23 @@ def load_policy(cfg: config.Config, log=print) -> Policy:
 
 
 def build_run(cfg: config.Config) -> Run:
+    """Everything a run holds. The user's mistakes surface first, before any write or model load:
+    the config against the machine and paths (`checks`), the reward functions, the data."""
+    checks.before_load(cfg)
+    fns, weights = reward_functions(cfg)
+    train_ex, eval_ex = data.load_train_eval(cfg.data)
+    if not train_ex:
+        raise UserError("data: no training examples; check data.max_examples and the data file")
+    checkpoint.check_disk(cfg)  # room for the checkpoints the recipe keeps
     out = _prepare_output_dir(cfg)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.train.seed)
-    train_ex, eval_ex = data.load_train_eval(cfg.data)
-    if not train_ex:
-        raise UserError("data: no training examples")
     from ebpo_lite.plan import preflight
 
     preflight(cfg)  # on a GPU: refuse a plan that cannot fit before the model loads (CPU: no-op)
-    checkpoint.check_disk(cfg)  # room for the checkpoints the recipe keeps
     policy = load_policy(cfg)
     prompt_ids = data.encode_prompts(policy.tokenizer, train_ex, cfg.data)
-    fns, weights = reward_functions(cfg)
     prompt_sampler = curriculum.make_sampler(
         cfg.curriculum.sampler,
         len(train_ex),
@@ -424,15 +427,10 @@ def _schedule(t: config.TrainConfig):
 
 
 def _prepare_output_dir(cfg: config.Config) -> Path:
+    """Make `output_dir` and prove it writable; `train.overwrite` deletes the old checkpoints
+    here, after the data loaded (`checks.output_dir` has refused the folder otherwise)."""
     out = Path(cfg.output_dir)
-    found = checkpoint.latest(out)
-    if found is not None and not cfg.train.resume:
-        if not cfg.train.overwrite:
-            raise ConfigError(
-                f"output_dir: {out} already holds checkpoints (newest {found.name}); "
-                "continue with train.resume=true, pick another output_dir, or replace them "
-                "with train.overwrite=true"
-            )
+    if checkpoint.latest(out) is not None and not cfg.train.resume and cfg.train.overwrite:
         checkpoint.remove_all(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -440,7 +438,9 @@ def _prepare_output_dir(cfg: config.Config) -> Path:
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        raise ConfigError(f"output_dir: cannot write to {out} ({e.strerror or e})") from None
+        raise ConfigError(
+            f"output_dir: cannot write to {out} ({e.strerror or e}); pick a folder you can write to"
+        ) from None
     return out
 
 

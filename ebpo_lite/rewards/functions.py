@@ -198,11 +198,17 @@ def get_reward_fn(name: str) -> RewardFn:
         )
     try:
         module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"reward function {name!r}: cannot import {module_name!r} ({e})") from None
+    except (ImportError, SyntaxError) as e:
+        raise ValueError(
+            f"reward function {name!r}: cannot import {module_name!r} ({type(e).__name__}: {e}); "
+            "check the module is installed or on PYTHONPATH"
+        ) from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"reward function {name!r}: {module_name} has no callable {attr!r}")
+        raise ValueError(
+            f"reward function {name!r}: {module_name} has no callable {attr!r}; name a function "
+            "defined in that module"
+        )
     return ContainedReward(name)
 
 

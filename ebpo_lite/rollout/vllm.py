@@ -322,6 +322,20 @@ def _rollout_device(name: str, policy_device: torch.device) -> torch.device:
     return device
 
 
+_NOT_IMPORTABLE = (
+    "rollout.backend=vllm: vllm is not importable (on CPU: see ../shared/PLATFORM.md or "
+    ".ci/tier_vllm.sh; on GPU: pip install 'ebpo-lite[vllm]'), or use rollout.backend=hf"
+)
+
+
+def check_importable() -> None:
+    """UserError unless vllm can be found; finds it without importing it (checks.machine)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise UserError(f"{_NOT_IMPORTABLE} (No module named 'vllm')")
+
+
 def _import_vllm():
     """Import vllm lazily; the in-process default must be in the environment before import."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -330,11 +344,7 @@ def _import_vllm():
         from vllm.inputs import TokensPrompt
         from vllm.lora.request import LoRARequest
     except ImportError as e:
-        raise UserError(
-            "rollout.backend=vllm: vllm is not importable (on CPU: see "
-            f"../shared/PLATFORM.md or .ci/tier_vllm.sh; on GPU: pip install "
-            f"'ebpo-lite[vllm]') ({e})"
-        ) from None
+        raise UserError(f"{_NOT_IMPORTABLE} ({e})") from None
     return SimpleNamespace(
         LLM=LLM, SamplingParams=SamplingParams, TokensPrompt=TokensPrompt, LoRARequest=LoRARequest
     )

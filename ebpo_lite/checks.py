@@ -1,0 +1,213 @@
+"""Checks of a run's config against this machine and the paths it names, made before anything is
+loaded, downloaded or written: a mistake then costs a second, not a model load, and leaves no
+trace on disk.
+
+Each raises a one-line `ConfigError` / `UserError` that names the key or path first and then says
+what to do (`errors.py`). What is checked:
+- `output_dir`: not a file (nor inside one); no checkpoints of another run unless `train.resume`
+  or `train.overwrite`; a resumed run's recorded `config.yaml` agrees on every setting its
+  checkpoint depends on (`RESUME_KEYS`), which would otherwise fail deep inside the model load
+  or, worse, resume silently into a different run.
+- the machine: `train.threads` within the CPU cores this process may use, a core left for
+  vLLM's worker on CPU (shared/PLATFORM.md: 2 trainer threads beside it on 2 cores made steps
+  erratic), the packages `rollout.backend=vllm` and `model.load_in_4bit` need.
+- `model.name`: `tiny`, a local folder holding `config.json`, or a valid hub id (in the local
+  cache when HF_HUB_OFFLINE is set): never a download attempt for a mistyped path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from ebpo_lite import checkpoint
+from ebpo_lite.errors import ConfigError, UserError
+
+if TYPE_CHECKING:
+    from ebpo_lite.config import Config
+
+# Settings a checkpoint's state depends on: the trained tensors' names and shapes (model.*), the
+# EB prior's and the curriculum's state, and the examples the sampler's positions index (data.*).
+RESUME_KEYS = (
+    "model.name",
+    "model.lora_rank",
+    "model.lora_target_modules",
+    "model.trainable_extra",
+    "algo.estimator",
+    "algo.prior_key",
+    "algo.prompt_prior",
+    "curriculum.sampler",
+    "data.name",
+    "data.path",
+)
+
+
+def before_load(cfg: Config) -> None:
+    """Every check of this module, cheapest first; nothing is read but small files."""
+    output_dir(cfg)
+    machine(cfg)
+    model_name(cfg.model.name)
+
+
+# ----------------------------------------------------------------------------- output_dir
+
+
+def output_dir(cfg: Config) -> None:
+    """A folder (or a path where one can be made) that holds no other run's checkpoints."""
+    out = Path(cfg.output_dir)
+    for p in (out, *out.parents):
+        if p.exists():
+            if not p.is_dir():
+                inside = "" if p == out else f", so {out} cannot be made inside it"
+                raise ConfigError(
+                    f"output_dir: {p} is a file, not a folder{inside}; pick another output_dir "
+                    "or move the file away"
+                )
+            break
+    found = checkpoint.latest(out)
+    if found is None:
+        return
+    if not cfg.train.resume and not cfg.train.overwrite:
+        raise ConfigError(
+            f"output_dir: {out} already holds checkpoints (newest {found.name}); "
+            "continue with train.resume=true, pick another output_dir, or replace them "
+            "with train.overwrite=true"
+        )
+    if cfg.train.resume:
+        same_run(cfg, out, found)
+
+
+def same_run(cfg: Config, out: Path, found: Path) -> None:
+    """The recorded config of the run in `out` agrees with `cfg` on `RESUME_KEYS`.
+
+    An unreadable or missing `config.yaml` (a run from before it was written) is not checked.
+    """
+    from ebpo_lite.config import to_dict
+
+    try:
+        recorded = yaml.safe_load((out / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return
+    if not isinstance(recorded, dict):
+        return
+    now = to_dict(cfg)
+    for key in RESUME_KEYS:
+        section, _, name = key.partition(".")
+        old = recorded.get(section, {})
+        if not isinstance(old, dict) or name not in old:
+            continue
+        if old[name] != now[section][name]:
+            raise ConfigError(
+                f"{key}: {_flow(now[section][name])} differs from the run being resumed "
+                f"({found} was written with {key}={_flow(old[name])}); resume with "
+                f"{key}={_flow(old[name])}, or pick another output_dir for a new run"
+            )
+
+
+def _flow(value: Any) -> str:
+    """A value as it is written in an override: `tiny`, `16`, `[norm]`, `null`."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
+    return text.removesuffix("...").strip()
+
+
+# ----------------------------------------------------------------------------- machine
+
+
+def cpu_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, which containers narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def machine(cfg: Config) -> None:
+    """Device, dtype and attention (`device.py`), thread count, and the packages the chosen
+    backend and quantisation need."""
+    from ebpo_lite.device import resolve_attn, resolve_device, resolve_dtype
+
+    t, m = cfg.train, cfg.model
+    device = resolve_device(m.device)
+    resolve_attn(m.attn_implementation, device, resolve_dtype(m.dtype, device))
+    cores = cpu_cores()
+    if t.threads > cores:
+        raise ConfigError(
+            f"train.threads: {t.threads} asked for, but this process may use {cores} CPU "
+            f"cores; use at most train.threads={cores} (0: torch's default)"
+        )
+    if cfg.rollout.backend == "vllm":
+        if device.type == "cpu" and cores > 1 and t.threads >= cores:
+            raise ConfigError(
+                f"train.threads: {t.threads} with rollout.backend=vllm on this {cores}-core CPU "
+                f"leaves no core for vLLM's worker (steps turn erratic); use "
+                f"train.threads={cores - 1}"
+            )
+        from ebpo_lite.rollout.vllm import check_importable
+
+        check_importable()
+    if m.load_in_4bit and importlib.util.find_spec("bitsandbytes") is None:
+        raise UserError(
+            "model.load_in_4bit: needs bitsandbytes (pip install 'ebpo-lite[bnb]'), "
+            "or set model.load_in_4bit=false"
+        )
+
+
+# ----------------------------------------------------------------------------- model.name
+
+
+def hub_offline() -> bool:
+    """Whether Hugging Face downloads are switched off (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE)."""
+    flags = (
+        os.environ.get(k, "").strip().lower() for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
+    return any(f in ("1", "true", "yes", "on") for f in flags)
+
+
+def model_name(name: str) -> None:
+    """`tiny`, a local model folder, or a hub id; ConfigError before any download is tried.
+
+    A name that exists on disk, starts with `/`, `.` or `~`, or has more than one `/` is a path
+    (hub ids are `owner/name`); anything else is a hub id.
+    """
+    if name == "tiny":
+        return
+    path = Path(name).expanduser()
+    if path.exists() or name.startswith(("/", ".", "~")) or name.count("/") > 1:
+        if not path.exists():
+            raise ConfigError(
+                f"model.name: {name}: no such folder; give a local model folder, a hub id such "
+                "as Qwen/Qwen3-0.6B, or tiny"
+            )
+        if not path.is_dir():
+            raise ConfigError(
+                f"model.name: {name} is a file; give the folder that holds config.json and the "
+                "weights"
+            )
+        if not (path / "config.json").is_file():
+            raise ConfigError(
+                f"model.name: {name} has no config.json, so it is not a model folder; give the "
+                "folder save_pretrained wrote, or a hub id"
+            )
+        return
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        raise ConfigError(
+            f"model.name: {name!r} is neither a local folder nor a hub id; give owner/name "
+            "(e.g. Qwen/Qwen3-0.6B), a local model folder, or tiny"
+        ) from None
+    if hub_offline():
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(name, "config.json"), str):
+            raise ConfigError(
+                f"model.name: {name} is not in the local Hugging Face cache and downloads are "
+                "off (HF_HUB_OFFLINE=1); download it once with HF_HUB_OFFLINE unset, or give a "
+                "local model folder"
+            )
