@@ -325,7 +325,6 @@ def build_run(cfg: config.Config) -> Run:
     train_ex, eval_ex = data.load_train_eval(cfg.data)
     if not train_ex:
         raise UserError("data: no training examples; check data.max_examples and the data file")
-    checkpoint.check_disk(cfg)  # room for the checkpoints the recipe keeps
     out = _prepare_output_dir(cfg)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -427,11 +426,10 @@ def _schedule(t: config.TrainConfig):
 
 
 def _prepare_output_dir(cfg: config.Config) -> Path:
-    """Make `output_dir` and prove it writable; `train.overwrite` deletes the old checkpoints
-    here, after the data loaded (`checks.output_dir` has refused the folder otherwise)."""
+    """Make `output_dir`, prove it writable and roomy enough for the kept checkpoints; then
+    `train.overwrite` deletes the old checkpoints, after the data loaded (`checks.output_dir`
+    has refused the folder otherwise)."""
     out = Path(cfg.output_dir)
-    if checkpoint.latest(out) is not None and not cfg.train.resume and cfg.train.overwrite:
-        checkpoint.remove_all(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".write_test_{os.getpid()}"
@@ -441,6 +439,9 @@ def _prepare_output_dir(cfg: config.Config) -> Path:
         raise ConfigError(
             f"output_dir: cannot write to {out} ({e.strerror or e}); pick a folder you can write to"
         ) from None
+    checkpoint.check_disk(cfg)  # room for the checkpoints the recipe keeps, before any delete
+    if checkpoint.latest(out) is not None and not cfg.train.resume and cfg.train.overwrite:
+        checkpoint.remove_all(out)
     return out
 
 

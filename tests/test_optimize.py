@@ -144,7 +144,8 @@ def test_micro_batches_are_length_sorted_and_cover_each_row_once():
 
 def test_optimize_syncs_once_per_step_whatever_the_micro_batching(tmp_path, monkeypatch):
     """ebpo_lite's own host reads of tensors (`.item()`, `.tolist()`, `float()`, `bool()` ...)
-    during `optimize` do not grow with the number of micro-batches."""
+    during `optimize` do not grow with the number of micro-batches: one per optimizer update
+    (is it finite?) and two per step."""
     run, prompts, roll, adv, valid = _setup(tmp_path)
     calls: list[str] = []
     for name in ("item", "tolist", "__float__", "__bool__", "__int__", "__index__"):
@@ -164,4 +165,6 @@ def test_optimize_syncs_once_per_step_whatever_the_micro_batching(tmp_path, monk
         calls.clear()
         run.optimize(prompts, roll, adv, valid)
         counts[size] = list(calls)
-    assert counts[4] == counts[32] == ["tolist", "tolist"], counts  # the valid mask, the stats
+    # the valid mask, the update's finite check (faults.check_update: one per optimizer step,
+    # not per micro-batch), the stats
+    assert counts[4] == counts[32] == ["tolist", "tolist", "tolist"], counts
