@@ -16,8 +16,12 @@ Metrics (per problem i with n = k samples of which c_i are correct, averaged ove
   symbolic equivalence: `1/2` and `0.5` are two groups. Completions with no extractable answer
   do not vote; ties go to the answer seen first; a group's correctness is its first member's.
 Answers: the tiny `arithmetic` task scores the whole stripped completion (no extraction); math
-benchmarks take the last `\\boxed{}` (else the GSM8K-style number) and verify with math-verify
-(`rewards.math_answer`). A completion the verifier cannot judge counts as wrong (and is counted).
+benchmarks take the last `\\boxed{}` (else the number after GSM8K's `####`, else math-verify's
+own extraction from the text's end) and verify with math-verify (`rewards.judge_math`). A
+completion the verifier cannot judge counts as wrong (and is counted). An unboxed answer votes
+with math-verify's extracted string. Each record keeps the extraction method of every sample
+(`extraction`: boxed / gsm8k_marker / math_verify / none); the summary reports their shares
+(`extraction/boxed`, ...) and the results JSON names the rule (`settings.extraction`).
 
 Sampling defaults (CLI): k = 1 is greedy (temperature 0); k > 1 samples at temperature 0.6 with
 top-p 0.95 (DeepSeek-R1's and the EBPO paper's evaluation setting). Prompts go through the chat
@@ -41,6 +45,7 @@ import torch
 from ebpo_lite import cli
 from ebpo_lite.data import encode_prompt
 from ebpo_lite.errors import UserError
+from ebpo_lite.rewards.judge import EXTRACTION
 
 if TYPE_CHECKING:
     from ebpo_lite.config import Config, DataConfig
@@ -124,7 +129,13 @@ def pass_ks(k: int) -> list[int]:
 
 
 def summarize(records: Sequence[dict[str, Any]], k: int) -> dict[str, float]:
-    """Benchmark metrics from per-problem records (`num_correct`, `maj_correct`, ...)."""
+    """Benchmark metrics from per-problem records (`num_correct`, `maj_correct`, ...).
+
+    With per-sample `extraction` methods (math benchmarks), also `extraction/<method>`: the share
+    of samples whose answer each method produced.
+    """
+    from ebpo_lite.rewards import extraction_shares
+
     n = len(records)
     if n == 0:
         return {"num_problems": 0}
@@ -135,6 +146,8 @@ def summarize(records: Sequence[dict[str, Any]], k: int) -> dict[str, float]:
     out["mean_length"] = sum(sum(r["lengths"]) / len(r["lengths"]) for r in records) / n
     out["truncated_frac"] = sum(r["truncated"] / r["k"] for r in records) / n
     out["unscored"] = sum(r["unscored"] for r in records)
+    methods = [m for r in records for m in r.get("extraction") or ()]
+    out.update({f"extraction/{m}": v for m, v in extraction_shares(methods).items()})
     return out
 
 
@@ -161,14 +174,14 @@ def benchmark_examples(name: str, dcfg: DataConfig | None = None) -> list[Exampl
 
 def score(
     bench: str, texts: list[str], golds: list[str], timeout_s: float
-) -> tuple[list[float | None], list[str | None]]:
-    """(score, extracted answer) per completion; see the module docstring."""
+) -> tuple[list[float | None], list[str | None], list[str] | None]:
+    """(score, extracted answer) per completion, and the extraction methods (None: arithmetic)."""
     from ebpo_lite import rewards
 
     if bench == "arithmetic":
-        return rewards.arithmetic_answer(texts, golds), [t.strip() or None for t in texts]
-    scores = rewards.math_answer(texts, golds, timeout_s=timeout_s)
-    return scores, [rewards.extract_answer(t) for t in texts]
+        return rewards.arithmetic_answer(texts, golds), [t.strip() or None for t in texts], None
+    j = rewards.judge_math(texts, golds, timeout_s=timeout_s)
+    return j.scores, j.answers, j.methods
 
 
 def eval_examples(
@@ -192,7 +205,7 @@ def eval_examples(
     )
     texts = tokenizer.batch_decode(roll.completion_ids, skip_special_tokens=True)
     golds = [ex.answer for ex in examples for _ in range(k)]
-    scores, answers = score(bench, texts, golds, timeout_s)
+    scores, answers, methods = score(bench, texts, golds, timeout_s)
     records = []
     for p, (i, ex) in enumerate(zip(indices, examples)):
         rows = range(p * k, (p + 1) * k)
@@ -210,6 +223,7 @@ def eval_examples(
                 "maj_correct": maj_ok,
                 "maj_answer": maj[:MAX_STORED_ANSWER] if maj else None,
                 "answers": [x[:MAX_STORED_ANSWER] if x else None for x in a],
+                "extraction": [methods[r] for r in rows] if methods else None,
                 "lengths": [len(roll.completion_ids[r]) for r in rows],
                 "truncated": sum(1 for r in rows if not roll.finished[r]),
             }
@@ -334,6 +348,7 @@ def _settings(args: argparse.Namespace, cfg: Config, ckpt: Path | None) -> dict[
         "seed": args.seed,
         "system_prompt": cfg.data.system_prompt,
         "thinking": cfg.data.thinking,
+        "extraction": EXTRACTION,  # results scored by another rule are not resumed
     }
 
 

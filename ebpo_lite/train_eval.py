@@ -7,7 +7,10 @@ each also per type where the problems carry labels (`eval/accuracy/topic=add`,
 `eval/accuracy/difficulty=2`, ...), and, when `eval.benchmarks` is set, `eval/<bench>/pass@1`, `eval/<bench>/maj@k`, `eval/<bench>/pass@k` with
 `eval.k` samples (`ebpo_lite.eval`'s metrics); `time/eval_s` is the wall time of all of it.
 With a user reward function first, `eval/reward_errors` counts its masked scores (left out of
-`eval/accuracy`, as in training; see `rewards/contained.py`).
+`eval/accuracy`, as in training; see `rewards/contained.py`). With `math_answer` first,
+`eval/extraction/<method>` is the share of held-out completions whose answer came from a box,
+GSM8K's `####`, math-verify's free-text extraction, or nothing (`rewards/judge.py`); benchmarks
+report the same per benchmark (`eval/<bench>/extraction/<method>`).
 
 Sampler: the run's own engine when `rollout.backend` is vllm (or unsloth) and the eval's prompts +
 `eval.max_new_tokens` fit its context: the colocated engine already serves the current adapter
@@ -33,7 +36,13 @@ from ebpo_lite.eval import (
     mean_over_benchmarks,
     summarize,
 )
-from ebpo_lite.rewards import ContainedReward, take_error_counts
+from ebpo_lite.rewards import (
+    ContainedReward,
+    extraction_shares,
+    judge_math,
+    math_answer,
+    take_error_counts,
+)
 
 if TYPE_CHECKING:
     from ebpo_lite.run import Run
@@ -60,7 +69,14 @@ def evaluate_policy(run: Run) -> dict[str, Any]:
         )
         texts = policy.tokenizer.batch_decode(roll.completion_ids, skip_special_tokens=True)
         _, fn = run.reward_fns[0]
-        scores = fn(texts, [ex.answer for ex in examples], timeout_s=cfg.reward.timeout_s)
+        golds = [ex.answer for ex in examples]
+        if fn is math_answer:  # the same scores, with the extraction method of each
+            judged = judge_math(texts, golds, timeout_s=cfg.reward.timeout_s)
+            scores = judged.scores
+            shares = extraction_shares(judged.methods).items()
+            out.update({f"eval/extraction/{m}": v for m, v in shares})
+        else:
+            scores = fn(texts, golds, timeout_s=cfg.reward.timeout_s)
         out.update(per_type_means("eval/accuracy", scores, examples))
         if isinstance(fn, ContainedReward):  # a user function: masked scores are left out
             out["eval/reward_errors"] = take_error_counts([fn])["reward/errors"]
@@ -120,8 +136,9 @@ def _benchmark_metrics(run: Run, max_new: int) -> dict[str, float]:
                 cfg.reward.timeout_s,
             )
         per_bench[bench] = summarize(records, k)
-        for key in ("pass@1", f"maj@{k}", f"pass@{k}"):
-            out[f"eval/{bench}/{key}"] = per_bench[bench][key]
+        for key, v in per_bench[bench].items():
+            if key in ("pass@1", f"maj@{k}", f"pass@{k}") or key.startswith("extraction/"):
+                out[f"eval/{bench}/{key}"] = v
     if len(per_bench) > 1:
         for key, v in mean_over_benchmarks(per_bench).items():
             if key in ("pass@1", f"maj@{k}", f"pass@{k}"):

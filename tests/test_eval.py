@@ -132,6 +132,14 @@ def test_eval_cli_math500_tiny_model(tiny_run, tmp_path):
     m = res["benchmarks"]["math500"]
     assert m["num_problems"] == 2 and 0.0 <= m["pass@1"] <= 1.0 and res["settings"]["k"] == 1
     assert res["settings"]["temperature"] == 0.0  # k = 1: greedy
+    # issue 15: the rule is named, and the shares of each extraction method add up to 1
+    from ebpo_lite.rewards import EXTRACTION, EXTRACTION_METHODS
+
+    assert res["settings"]["extraction"] == EXTRACTION and "math-verify" in EXTRACTION
+    shares = [m[f"extraction/{x}"] for x in EXTRACTION_METHODS]
+    assert sum(shares) == pytest.approx(1.0) and all(0 <= v <= 1 for v in shares)
+    rows = _lines(tmp_path / "m.json.partial.jsonl")
+    assert all(set(r["extraction"]) <= set(EXTRACTION_METHODS) for r in rows[1:])
 
 
 def test_eval_cli_user_errors(tmp_path, capsys):

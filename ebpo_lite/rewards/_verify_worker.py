@@ -13,9 +13,19 @@ math-verify's own signal-based timeouts are disabled (they only interrupt Python
 long sympy integer power in C, and they raise outside a main thread); the executor also runs
 under an address-space limit so a memory bomb fails fast with MemoryError ("error").
 
-Protocol. Request: {"id": int, "pred": str, "gold": [str, ...], "t": seconds}.
-Reply: {"id": int, "r": 1.0 | 0.0 | null | "timeout" | "error"}; null = gold unparsable.
-The first line written is {"ready": true}. EOF on stdin ends the worker.
+Two kinds of prediction (`"mode"`):
+- "boxed": `pred` is an answer already extracted by `extract.py` (a box's content, a GSM8K
+  number) and is parsed as `\\boxed{pred}`, as are the golds;
+- "text": `pred` is the bounded tail of a completion with neither, and math-verify's own
+  extraction finds the answer in it: `parse(text)` with its default
+  `[LatexExtractionConfig(), ExprExtractionConfig()]`, as lighteval and math-verify's README do.
+  The reply also carries `"a"`: math-verify's extracted string (the first string in `parse`'s
+  result, i.e. the text of the first candidate it tried; null when it found nothing, and always
+  null in "boxed" mode, where the caller has the answer).
+
+Protocol. Request: {"id": int, "pred": str, "gold": [str, ...], "t": seconds, "mode": str}.
+Reply: {"id": int, "r": 1.0 | 0.0 | null | "timeout" | "error", "a": str | null};
+null r = gold unparsable. The first line written is {"ready": true}. EOF on stdin ends the worker.
 """
 
 from __future__ import annotations
@@ -27,20 +37,29 @@ import signal
 import sys
 import time
 
+MAX_ANSWER_CHARS = 2000  # of the extracted string sent back (as extract.MAX_ANSWER_CHARS)
 
-def _judge(pred: str, golds: list[str]) -> float | None:
+
+def _judge(pred: str, golds: list[str], mode: str = "boxed") -> tuple[float | None, str | None]:
+    """(verdict, extracted string or None) for one prediction; see the module docstring."""
     from math_verify import parse, verify
 
+    answer = None
+    if mode == "text":  # math-verify's own extraction on free text
+        parsed_pred = parse(pred, parsing_timeout=None)
+        strings = [x for x in parsed_pred if isinstance(x, str)] or [str(x) for x in parsed_pred]
+        answer = strings[0][:MAX_ANSWER_CHARS] if strings else None
     parsed_golds = [
         g for g in (parse("\\boxed{" + x + "}", parsing_timeout=None) for x in golds) if g
     ]
     if not parsed_golds:
-        return None
-    parsed_pred = parse("\\boxed{" + pred + "}", parsing_timeout=None)
+        return None, answer
+    if mode != "text":
+        parsed_pred = parse("\\boxed{" + pred + "}", parsing_timeout=None)
     if not parsed_pred:
-        return 0.0
+        return 0.0, answer
     ok = any(verify(g, parsed_pred, timeout_seconds=None) for g in parsed_golds)
-    return 1.0 if ok else 0.0
+    return (1.0 if ok else 0.0), answer
 
 
 def _executor_loop(rfd: int, wfd: int, mem_mb: int) -> None:
@@ -55,11 +74,12 @@ def _executor_loop(rfd: int, wfd: int, mem_mb: int) -> None:
     with os.fdopen(rfd, "rb") as inp:
         for line in inp:
             msg = json.loads(line)
+            a = None
             try:
-                r: object = _judge(msg["pred"], msg["gold"])
+                r, a = _judge(msg["pred"], msg["gold"], msg.get("mode", "boxed"))
             except BaseException:  # MemoryError, RecursionError, bugs: never kill the loop
                 r = "error"
-            os.write(wfd, (json.dumps({"id": msg["id"], "r": r}) + "\n").encode())
+            os.write(wfd, (json.dumps({"id": msg["id"], "r": r, "a": a}) + "\n").encode())
 
 
 def _detach_child(keep: tuple[int, ...]) -> None:
@@ -113,29 +133,30 @@ class _Executor:
         os.close(self.rfd)
         self.pid = None
 
-    def run(self, msg: dict, timeout_s: float) -> object:
+    def run(self, msg: dict, timeout_s: float) -> dict:
         if self.pid is None:
             self.start()
         try:
             os.write(self.wfd, (json.dumps(msg) + "\n").encode())
         except OSError:
             self.stop()
-            return "error"
+            return {"r": "error"}
         deadline = time.monotonic() + timeout_s
         while b"\n" not in self.buf:
             left = deadline - time.monotonic()
             if left <= 0:
                 self.stop()
-                return "timeout"
+                return {"r": "timeout"}
             ready, _, _ = select.select([self.rfd], [], [], left)
             if ready:
                 chunk = os.read(self.rfd, 65536)
                 if not chunk:  # the executor died (e.g. killed by the OS)
                     self.stop()
-                    return "error"
+                    return {"r": "error"}
                 self.buf += chunk
         line, _, self.buf = self.buf.partition(b"\n")
-        return json.loads(line)["r"]
+        reply = json.loads(line)
+        return {"r": reply["r"], "a": reply.get("a")}
 
 
 def main() -> None:
@@ -146,6 +167,7 @@ def main() -> None:
 
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)
     _judge("1", ["1"])  # import and warm math-verify once, before any fork
+    _judge("so x = 1/2", ["1"], "text")
     out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     sys.stdout = sys.stderr  # stray prints must not corrupt the protocol
     mem_mb = int(os.environ.get("EBPO_LITE_VERIFY_MEM_MB", "4096"))
@@ -155,8 +177,9 @@ def main() -> None:
     out.flush()
     for line in sys.stdin.buffer:
         msg = json.loads(line)
-        r = executor.run({"id": msg["id"], "pred": msg["pred"], "gold": msg["gold"]}, msg["t"])
-        out.write((json.dumps({"id": msg["id"], "r": r}) + "\n").encode())
+        job = {k: msg[k] for k in ("id", "pred", "gold")}
+        reply = executor.run({**job, "mode": msg.get("mode", "boxed")}, msg["t"])
+        out.write((json.dumps({"id": msg["id"], **reply}) + "\n").encode())
         out.flush()
     executor.stop()
 

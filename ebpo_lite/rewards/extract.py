@@ -3,14 +3,21 @@
 Everything here runs in the trainer process, so every function is linear in the input length
 and bounded: a megabyte of adversarial text costs milliseconds, never a stall.
 
-Extraction order for a completion (`extract_answer`):
-1. the content of the last balanced `\\boxed{...}` or `\\fbox{...}` (escaped braces `\\{ \\}` are
-   not counted; a box whose content is longer than `MAX_ANSWER_CHARS` or never closes is ignored
-   and the box before it is tried, up to `MAX_BOX_CANDIDATES` boxes from the end);
-2. else the first number after the last `####` (GSM8K's marker);
-3. else the last number in the final `TAIL_CHARS` characters of the text (GSM8K-style plain
-   answers). Numbers are `-?` digits with optional `,ddd` thousands groups and a decimal part;
-   thousands commas are removed.
+Extraction order for a completion (`extract_answer_and_method`; the method names are what
+`rewards.judge` reports per completion):
+1. `boxed`: the content of the last balanced `\\boxed{...}` or `\\fbox{...}` (escaped braces
+   `\\{ \\}` are not counted; a box whose content is longer than `MAX_ANSWER_CHARS` or never
+   closes is ignored and the box before it is tried, up to `MAX_BOX_CANDIDATES` boxes from the
+   end);
+2. `gsm8k_marker`: else the first number after the last `####` (GSM8K's marker; `-?` digits with
+   optional `,ddd` thousands groups, removed, and a decimal part);
+3. `math_verify`: else nothing here. The caller hands `verify_tail(text)` (the last
+   `TAIL_CHARS` characters) to math-verify's own free-text extraction, in the verifier's worker
+   process under its time limit (`_verify_worker.py`), so that unboxed answers (`1/2`,
+   `The answer is 0.5.`, `$\\frac{\\sqrt{3}}{2}$`) are judged as math-verify's default `parse`
+   judges them (LatexExtractionConfig + ExprExtractionConfig, as in lighteval's math metrics).
+   Until issue 15 this step took the last number, so `1/2` scored as `2`. TRL's example
+   `accuracy_reward` parses with a stricter LaTeX-only config and would give plain `1/2` 0.
 """
 
 from __future__ import annotations
@@ -21,7 +28,10 @@ from typing import Any
 
 MAX_ANSWER_CHARS = 2000  # longer boxed contents are not answers (and never reach the verifier)
 MAX_BOX_CANDIDATES = 8  # boxes tried from the end when the last ones are unbalanced
-TAIL_CHARS = 4096  # the plain-number fallback only reads the end of the text
+TAIL_CHARS = 4096  # math-verify's free-text extraction reads only the end of the text
+
+BOXED, GSM8K_MARKER, MATH_VERIFY, NO_ANSWER = "boxed", "gsm8k_marker", "math_verify", "none"
+EXTRACTION_METHODS = (BOXED, GSM8K_MARKER, MATH_VERIFY, NO_ANSWER)
 
 _BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _BRACE = re.compile(r"(?<!\\)[{}]")
@@ -98,26 +108,45 @@ def count_boxes(text: str) -> int:
     return sum(1 for _ in _BOX_OPEN.finditer(text))
 
 
-def final_number(text: str) -> str | None:
-    """GSM8K-style answer: the first number after the last `####`, else the last number."""
+def marker_number(text: str) -> str | None:
+    """GSM8K's answer: the first number in the 200 characters after the last `####`, else None."""
     mark = text.rfind("####")
-    if mark >= 0:
-        m = _NUMBER.search(text, mark + 4, min(len(text), mark + 200))
-        if m:
-            return m.group().replace(",", "")
-    tail = text[-TAIL_CHARS:]
-    last = None
-    for last in _NUMBER.finditer(tail):  # noqa: B007 - we want the last match
-        pass
-    return last.group().replace(",", "") if last else None
+    if mark < 0:
+        return None
+    m = _NUMBER.search(text, mark + 4, min(len(text), mark + 200))
+    return m.group().replace(",", "") if m else None
+
+
+def extract_answer_and_method(text: str) -> tuple[str | None, str]:
+    """(answer, "boxed") or (answer, "gsm8k_marker"); (None, "math_verify") when neither applies.
+
+    The last case means: hand `verify_tail(text)` to math-verify (see the module docstring).
+    """
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed, BOXED
+    number = marker_number(text)
+    if number is not None:
+        return number, GSM8K_MARKER
+    return None, MATH_VERIFY
 
 
 def extract_answer(text: str) -> str | None:
-    """The model's final answer: last box, else `####` number, else last number (see module doc)."""
-    boxed = last_boxed(text)
-    if boxed is not None:
-        return boxed
-    return final_number(text)
+    """The last box's content, else the `####` number, else None (math-verify's turn)."""
+    return extract_answer_and_method(text)[0]
+
+
+def verify_tail(text: str) -> str:
+    """What math-verify reads of an unboxed completion: at most its last TAIL_CHARS characters.
+
+    A cut text starts after the first newline in the first half of the tail, if there is one,
+    so that math-verify never sees half of an inline `$...$` (inline math is single-line).
+    """
+    if len(text) <= TAIL_CHARS:
+        return text
+    tail = text[-TAIL_CHARS:]
+    newline = tail.find("\n", 0, TAIL_CHARS // 2)
+    return tail[newline + 1 :] if newline >= 0 else tail
 
 
 def clean_answer(s: str) -> str:

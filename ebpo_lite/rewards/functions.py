@@ -11,7 +11,9 @@ any reward with a nonzero weight into a None total, which the trainer masks out 
 Decisions (documented departures / choices):
 - `math_answer`: a verification that hits `timeout_s` or crashes the verifier scores 0.0 (the
   model produced something pathological; masking it would let it escape the penalty); counted in
-  `verify_pool.stats()`. A completion with no extractable answer scores 0.0.
+  `verify_pool.stats()`. A completion with no extractable answer scores 0.0. Unboxed text is
+  extracted by math-verify itself, in the worker (`judge.py`); `judge.judge_math` is the same
+  scoring with the extraction method and the extracted answer per completion.
 - `format_reward`: exactly one `\\boxed{` / `\\fbox{` opening, and it is balanced (a nested box
   counts twice, so scores 0.0).
 - `length_penalty`: DAPO's overlong soft punishment, where `coef` is the penalty at the limit.
@@ -24,30 +26,12 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ebpo_lite.rewards import verify_pool
 from ebpo_lite.rewards.contained import ContainedReward
-from ebpo_lite.rewards.extract import (
-    boxed_spans,
-    canonical_int,
-    clean_answer,
-    completion_text,
-    count_boxes,
-    extract_answer,
-    normalize_gold,
-)
+from ebpo_lite.rewards.extract import boxed_spans, canonical_int, completion_text, count_boxes
+from ebpo_lite.rewards.judge import golds_for, judge_math
 
 RewardFn = Callable[..., list]
 _PLAIN_INT = re.compile(r"[+-]?\d+")
-
-
-def _golds(answer: Any, n: int, fn: str) -> list[Any]:
-    """One gold per completion; a single str / number is broadcast."""
-    if isinstance(answer, (str, int, float)) or answer is None:
-        return [answer] * n
-    golds = list(answer)
-    if len(golds) != n:
-        raise ValueError(f"{fn}: got {n} completions but {len(golds)} answers")
-    return golds
 
 
 def math_answer(
@@ -55,39 +39,14 @@ def math_answer(
 ) -> list[float | None]:
     """1.0 if the completion's final answer equals the gold answer (math-verify), else 0.0.
 
-    The answer is the last `\\boxed{}`, else a GSM8K-style number (see `extract.extract_answer`).
-    Integers on both sides are compared directly; everything else goes through math-verify
-    (symbolic equivalence: fractions, radicals, LaTeX, intervals, sets) in a worker process with
-    a hard limit of `timeout_s` seconds per distinct (answer, gold) pair. None: gold unparsable.
+    The answer is the last `\\boxed{}`, else the number after GSM8K's `####`, else what
+    math-verify's own `parse` extracts from the end of the text (see `judge.py`, which also says
+    per completion which of these produced the score: `judge.judge_math`). Integers on both
+    sides are compared directly; everything else goes through math-verify (symbolic equivalence:
+    fractions, radicals, LaTeX, intervals, sets) in a worker process with a hard limit of
+    `timeout_s` seconds per distinct (answer, gold) pair. None: gold unparsable.
     """
-    if timeout_s <= 0:
-        raise ValueError(f"math_answer: timeout_s must be > 0, got {timeout_s}")
-    n = len(completions)
-    golds = _golds(answer, n, "math_answer")
-    out: list[float | None] = [None] * n
-    queue: dict[tuple[str, tuple[str, ...]], list[int]] = {}  # distinct pair -> positions
-    for i, (c, g) in enumerate(zip(completions, golds)):
-        gold = normalize_gold(g)
-        if gold is None:
-            continue  # None: nothing to judge against
-        pred = extract_answer(completion_text(c))
-        if pred is None or not clean_answer(pred):
-            out[i] = 0.0
-            continue
-        pred = clean_answer(pred)
-        p_int, g_ints = canonical_int(pred), [canonical_int(x) for x in gold]
-        if p_int is not None and all(x is not None for x in g_ints):
-            out[i] = 1.0 if p_int in g_ints else 0.0
-            continue
-        queue.setdefault((pred, tuple(gold)), []).append(i)
-    if queue:
-        keys = list(queue)
-        verdicts = verify_pool.verify_batch([(p, list(g)) for p, g in keys], timeout_s)
-        for key, v in zip(keys, verdicts):
-            score = v if v is None or isinstance(v, float) else 0.0  # "timeout" / "error" -> 0
-            for i in queue[key]:
-                out[i] = score
-    return out
+    return judge_math(completions, answer, timeout_s).scores
 
 
 def arithmetic_answer(completions: Sequence[Any], answer: Any, **kwargs: Any) -> list[float | None]:
@@ -98,7 +57,7 @@ def arithmetic_answer(completions: Sequence[Any], answer: Any, **kwargs: Any) ->
     """
     n = len(completions)
     out: list[float | None] = []
-    for c, g in zip(completions, _golds(answer, n, "arithmetic_answer")):
+    for c, g in zip(completions, golds_for(answer, n, "arithmetic_answer")):
         ok_type = isinstance(g, (str, int)) and not isinstance(g, bool)
         gold = canonical_int(str(g)) if ok_type and _PLAIN_INT.fullmatch(str(g).strip()) else None
         if gold is None:

@@ -15,6 +15,9 @@ of the trainer the child builds its own pool. Calls from several threads are ser
 
 Results per item: 1.0 / 0.0; None when the gold cannot be parsed; "timeout" or "error" when the
 limit was hit or the executor failed (the caller maps both to 0.0 and counts them in `stats()`).
+`judge` / `judge_batch` take items (prediction, golds, mode) and also return the answer string
+math-verify extracted in "text" mode (see `_verify_worker.py`); `score` / `verify_batch` are the
+"boxed"-mode shorthand returning the verdicts alone.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
+
+Verdict = float | None | str  # 1.0 / 0.0 / None / "timeout" / "error"
+Item = tuple[str, list[str], str]  # (prediction, golds, mode: "boxed" | "text")
 
 GRACE_S = 2.0  # trainer-side slack over the worker's own limit
 STARTUP_TIMEOUT_S = 120.0  # a worker must print "ready" within this (sympy import on a busy box)
@@ -59,8 +65,10 @@ class _Worker:
         self.started = time.monotonic()
         self.task: tuple[int, float] | None = None  # (item index, trainer-side deadline)
 
-    def send(self, idx: int, pred: str, gold: list[str], timeout_s: float) -> bool:
-        line = json.dumps({"id": idx, "pred": pred, "gold": gold, "t": timeout_s}) + "\n"
+    def send(self, idx: int, item: Item, timeout_s: float) -> bool:
+        pred, gold, mode = item
+        msg = {"id": idx, "pred": pred, "gold": gold, "t": timeout_s, "mode": mode}
+        line = json.dumps(msg) + "\n"
         try:
             self.proc.stdin.write(line.encode())
             self.proc.stdin.flush()
@@ -109,12 +117,14 @@ class VerifierPool:
         self.counts["restarts"] += 1
         self.workers.append(_Worker())
 
-    def score(
-        self, items: list[tuple[str, list[str]]], timeout_s: float
-    ) -> list[float | None | str]:
-        """Judge (prediction, golds) pairs; see the module docstring for the result values."""
+    def score(self, items: list[tuple[str, list[str]]], timeout_s: float) -> list[Verdict]:
+        """Judge (answer, golds) pairs in "boxed" mode; see the module docstring for the values."""
+        return [r for r, _ in self.judge([(p, g, "boxed") for p, g in items], timeout_s)]
+
+    def judge(self, items: list[Item], timeout_s: float) -> list[tuple[Verdict, str | None]]:
+        """(verdict, extracted answer string or None) per (prediction, golds, mode) item."""
         self._start_missing()
-        results: list[float | None | str] = [None] * len(items)
+        results: list[tuple[Verdict, str | None]] = [(None, None)] * len(items)
         done = [False] * len(items)
         pending = deque(range(len(items)))
         remaining = len(items)
@@ -122,7 +132,7 @@ class VerifierPool:
             for w in self.workers:  # dispatch to idle, ready workers
                 while w.ready and w.task is None and pending:
                     idx = pending.popleft()
-                    if not w.send(idx, items[idx][0], items[idx][1], timeout_s):
+                    if not w.send(idx, items[idx], timeout_s):
                         pending.appendleft(idx)
                         self._replace(w)
                         break
@@ -149,7 +159,7 @@ class VerifierPool:
                     w.ready = True
                     self._failed_starts = 0
                 elif w.task is not None and msg.get("id") == w.task[0] and not done[w.task[0]]:
-                    results[w.task[0]] = msg["r"]
+                    results[w.task[0]] = (msg["r"], msg.get("a"))
                     if msg["r"] in ("timeout", "error"):
                         self.counts[msg["r"] + "s"] += 1
                     done[w.task[0]] = True
@@ -174,7 +184,7 @@ class VerifierPool:
                 )
         finished = 0
         if w.task is not None and not done[w.task[0]]:
-            results[w.task[0]] = why
+            results[w.task[0]] = (why, None)
             done[w.task[0]] = True
             finished = 1
             self.counts["timeouts" if why == "timeout" else "errors"] += 1
@@ -192,13 +202,18 @@ _LOCK = threading.Lock()
 _NUM_WORKERS: int | None = None
 
 
-def verify_batch(items: list[tuple[str, list[str]]], timeout_s: float) -> list[float | None | str]:
-    """Judge a batch through the module-level pool (started on first use)."""
+def verify_batch(items: list[tuple[str, list[str]]], timeout_s: float) -> list[Verdict]:
+    """Judge (answer, golds) pairs in "boxed" mode through the module-level pool."""
+    return [r for r, _ in judge_batch([(p, g, "boxed") for p, g in items], timeout_s)]
+
+
+def judge_batch(items: list[Item], timeout_s: float) -> list[tuple[Verdict, str | None]]:
+    """`VerifierPool.judge` through the module-level pool (started on first use)."""
     global _POOL
     with _LOCK:
         if _POOL is None or _POOL.pid != os.getpid():  # first use, or we are a forked child
             _POOL = VerifierPool(_NUM_WORKERS)
-        return _POOL.score(items, timeout_s)
+        return _POOL.judge(items, timeout_s)
 
 
 def configure(num_workers: int | None = None) -> None:
