@@ -6,8 +6,10 @@ sees them), the advantages, then at every optimizer update the loss and the grad
 or `gradients`; `Undo` puts back what the step had already changed: the EB prior (its accumulators
 and prompt histories) and, when a step takes several updates (`train.mini_batches` or
 `algo.num_iterations` > 1), the trainable tensors and optimizer state from a host copy taken before
-the first update. The LR scheduler is not stepped and the sampler is not synced, so after a skip
-the trainer and the sampler hold exactly the pre-fault weights. The curriculum has moved on (its
+the first update (a device-to-host copy every such step: 12 B per trainable parameter, about
+0.5 GB for Qwen3-8B's rank-16 LoRA on all linear layers, 43.6 M parameters). The LR scheduler
+is not stepped and the sampler is not synced, so after a skip the trainer and the sampler hold
+exactly the pre-fault weights. The curriculum has moved on (its
 prompts were drawn; non-finite rewards reach it as unscorable).
 
 `Skips` counts skipped steps (`train/skipped_steps`, in checkpoints) and stops the run with a
@@ -56,10 +58,10 @@ def check_advantages(adv: torch.Tensor, mask: torch.Tensor) -> None:
         raise NonFinite("advantages")
 
 
-def check_update(loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> None:
-    """Before `optimizer.step()`: the update's summed loss and its gradient norm are finite.
-    One host sync per optimizer update."""
-    ok_loss, ok_grad = torch.stack([torch.isfinite(loss_sum), torch.isfinite(grad_norm)]).tolist()
+def check_update(loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+    """Before `optimizer.step()`: the loss accumulated so far and this update's gradient norm
+    are finite. One host sync per optimizer update."""
+    ok_loss, ok_grad = torch.stack([torch.isfinite(loss), torch.isfinite(grad_norm)]).tolist()
     if not ok_loss:
         raise NonFinite("loss")
     if not ok_grad:

@@ -235,7 +235,6 @@ class Run:
         cfg, a, policy = self.cfg, self.cfg.algo, self.policy
         mini_tokens = sum(len(roll.completion_ids[i]) for i in mini) or 1
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros(())
         for c in self._chunks(mini, prompts, roll):
             b = policy.batch([prompts[i] for i in c], [roll.completion_ids[i] for i in c])
             logp, entropy = completion_logprobs(
@@ -266,12 +265,13 @@ class Run:
             tokens = sum(len(roll.completion_ids[i]) for i in c)  # = the mask's sum, no sync
             share = loss.microbatch_weight(a.loss_agg, tokens, len(c), mini_tokens, len(mini))
             (lval * share).backward()
-            loss_sum = loss_sum.to(lval.device) + lval.detach()
             st["entropy"] = loss.masked_mean(entropy, b.completion_mask)
             _accumulate(stats, st, share * weight)
         params = policy.trainable_parameters()
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm)
-        faults.check_update(loss_sum, norm)  # NaN / inf: no step (train_step undoes the rest)
+        # the step's running loss (finite so far, or an earlier update would have stopped) and
+        # this update's gradient norm; NaN / inf: no step (train_step undoes the rest)
+        faults.check_update(stats.get("loss", norm), norm)
         self.optimizer.step()
         return norm
 

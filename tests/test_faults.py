@@ -70,10 +70,9 @@ def _nan_advantages(run, monkeypatch):
 def _nan_loss(run, monkeypatch, after=0):
     policy_loss, calls = loss.policy_loss, [0]
 
-    def bad(*a, **k):
-        lval, st = policy_loss(*a, **k)
+    def bad(logp, *a, **k):  # the forward overflowed: NaN log-probs into the loss
         calls[0] += 1
-        return (lval * math.nan if calls[0] > after else lval), st
+        return policy_loss(logp * math.nan if calls[0] > after else logp, *a, **k)
 
     monkeypatch.setattr(loss, "policy_loss", bad)
 
