@@ -9,6 +9,17 @@
 Batch layout used by the log-prob functions: prompts are left-padded to width P and completions
 right-padded to width C, so every completion starts at column P and only the last C + 1 positions
 of the logits are computed (`logits_to_keep`), which matters for 150k-token vocabularies.
+
+NF4 base (`model.load_in_4bit`; docs/qlora.md): every LoRA-wrapped linear layer's base is a
+bitsandbytes `Linear4bit`. A forward whose input needs grad runs bitsandbytes' `MatMul4Bit`
+autograd function (forward `gemm_4bit`; backward dequantizes the weight and multiplies, so the
+gradient flows to the input and on to every LoRA below); a no-grad forward (sampling, scoring)
+calls `gemm_4bit` directly. That holds on CUDA for every shape, single decode rows included.
+On a CPU with AVX512-BF16, bitsandbytes 0.50.2 would instead repack the weight at the first
+eval-mode no-grad forward and from then on run every forward, training too, through
+`gemv_4bit`, which has no autograd kernel: the base silently stops passing gradient to its
+input. `keep_nf4_differentiable` turns that repacking off (tests/test_nf4.py checks the LoRA
+gradients against the dequantized base).
 From those logits (model dtype) the log-probs and entropies are computed in fp32 chunks of rows
 (`completion_logprobs`), so a micro-batch never holds an fp32 [N, C, V] copy: with Qwen3's 152k
 vocabulary and 4 x 4096 completion tokens one such copy is 9.3 GiB.
@@ -246,7 +257,9 @@ class Policy:
             ) from None
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-        if not m.load_in_4bit:
+        if m.load_in_4bit:
+            keep_nf4_differentiable(model)  # before any forward: see `keep_nf4_differentiable`
+        else:
             model.to(device)
         torch.manual_seed(cfg.train.seed)  # LoRA A's init: the same whatever ran before
         model = _add_lora(model, m)
@@ -361,6 +374,29 @@ def _nf4_config(dtype: torch.dtype):
         bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=dtype,
     )
+
+
+def keep_nf4_differentiable(model) -> int:
+    """Keep every bitsandbytes `Linear4bit` of `model` on its differentiable path; returns how
+    many there are.
+
+    bitsandbytes 0.50.2 on a CPU with AVX512-BF16 repacks a `Linear4bit`'s weight, once and for
+    good, at its first forward in eval mode on an input without grad (a sampler's or scorer's
+    forward). From then on `matmul_4bit` sends every forward of that layer, training ones
+    included, to `torch.ops.bitsandbytes.gemv_4bit`, an op with no autograd kernel: the layer's
+    output then has no gradient with respect to its input (torch warns once, then LoRA layers
+    below it lose that part of their gradient), and the kernel rounds an fp32 input to bf16.
+    With the flag below off, every CPU forward stays on `gemm_4bit` (dequantize, then matmul:
+    bitsandbytes' `MatMul4Bit` autograd function when the input needs grad); CUDA never repacks.
+    """
+    import bitsandbytes as bnb
+
+    layers = [mod for mod in model.modules() if isinstance(mod, bnb.nn.Linear4bit)]
+    for mod in layers:
+        if getattr(mod.weight.quant_state, "packing_format_for_cpu", False):
+            raise RuntimeError(f"{type(mod).__name__}: already repacked for bitsandbytes' CPU gemv")
+        mod.support_avx512bf16_for_cpu = False
+    return len(layers)
 
 
 def _add_lora(model, m):
