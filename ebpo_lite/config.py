@@ -147,6 +147,7 @@ class TrainConfig:
     prompts_per_step: int = 32
     mini_batches: int = 1  # optimizer steps per rollout batch (the paper: 512 / 128 = 4)
     micro_batch_size: int = 64  # sequences per forward/backward; accumulation over the rest
+    share_prompts: bool = True  # one forward per distinct prompt of a micro-batch (exact)
     checkpoint_every: int = 50  # 0: only at the end
     keep_checkpoints: int = 2
     stop_after: int = 0  # stop cleanly after this many steps of this invocation (0: never)

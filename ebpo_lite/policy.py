@@ -10,6 +10,14 @@ Batch layout used by the log-prob functions: prompts are left-padded to width P 
 right-padded to width C, so every completion starts at column P and only the last C + 1 positions
 of the logits are computed (`logits_to_keep`), which matters for 150k-token vocabularies.
 
+Shared prompts (`train.share_prompts`): a GRPO batch holds each prompt G times. Then each distinct
+prompt runs forward once (U rows, with its KV cache), the cache's rows are gathered to the N
+completions (`Cache.reorder_cache`, an index_select, so gradients flow back to the one prompt
+forward) and the completions run on top of it. The logits, log-probs and LoRA gradients are the
+full batch's to fp32 round-off (tests/test_policy.py). Not with gradient checkpointing (the
+checkpointed layers drop the cache) or train-mode dropout (the G rows would share one dropout mask
+on the prompt): there the full batch runs.
+
 NF4 base (`model.load_in_4bit`; docs/qlora.md): every LoRA-wrapped linear layer's base is a
 bitsandbytes `Linear4bit`. A forward whose input needs grad runs bitsandbytes' `MatMul4Bit`
 autograd function (forward `gemm_4bit`; backward dequantizes the weight and multiplies, so the
@@ -27,6 +35,7 @@ vocabulary and 4 x 4096 completion tokens one such copy is 9.3 GiB.
 
 from __future__ import annotations
 
+import inspect
 import shutil
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -49,6 +58,8 @@ class Batch:
     position_ids: torch.Tensor  # [N, P + C]
     completion_mask: torch.Tensor  # [N, C] float, 1 on real completion tokens
     prompt_width: int  # P
+    prompt_rows: torch.Tensor | None = None  # [U] first row of each distinct prompt (shared)
+    prompt_index: torch.Tensor | None = None  # [N] each row's distinct prompt, in 0..U-1
 
 
 def make_batch(
@@ -56,8 +67,13 @@ def make_batch(
     completion_ids: list[list[int]],
     pad_id: int,
     device: torch.device | str = "cpu",
+    share_prompts: bool = False,
 ) -> Batch:
-    """Left-pad prompts to P, right-pad completions to C (layout in the module docstring)."""
+    """Left-pad prompts to P, right-pad completions to C (layout in the module docstring).
+
+    `share_prompts`: when some prompt occurs more than once, record the distinct prompts
+    (`prompt_rows`, `prompt_index`) so that `completion_logits` runs each of them once.
+    """
     if len(prompt_ids) != len(completion_ids):
         raise ValueError(f"{len(prompt_ids)} prompts for {len(completion_ids)} completions")
     n = len(prompt_ids)
@@ -76,14 +92,25 @@ def make_batch(
     attn = torch.tensor(masks, dtype=torch.long).reshape(n, width_p + width_c)  # [N, P + C]
     pos = (attn.cumsum(-1) - 1).clamp(min=0)  # [N, P + C]
     cmask = attn[:, width_p:].float()  # [N, C]
-    return Batch(ids.to(device), attn.to(device), pos.to(device), cmask.to(device), width_p)
+    batch = Batch(ids.to(device), attn.to(device), pos.to(device), cmask.to(device), width_p)
+    if share_prompts:
+        first: dict[tuple[int, ...], int] = {}  # prompt -> its distinct index
+        index = [first.setdefault(tuple(p), len(first)) for p in prompt_ids]
+        if len(first) < n:
+            rows = [index.index(u) for u in range(len(first))]
+            batch.prompt_rows = torch.tensor(rows, dtype=torch.long, device=device)  # [U]
+            batch.prompt_index = torch.tensor(index, dtype=torch.long, device=device)  # [N]
+    return batch
 
 
 def completion_logits(model, batch: Batch) -> torch.Tensor:
     """Logits at the completion positions, in the model's dtype: [N, C + 1, V].
 
     Position P-1+t predicts completion token t; the last row predicts the token after the batch.
+    A batch with shared prompts runs each distinct prompt once (`_shared_prompt_logits`).
     """
+    if batch.prompt_index is not None and not (model.training and _checkpointing(model)):
+        return _shared_prompt_logits(model, batch)
     out = model(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
@@ -92,6 +119,54 @@ def completion_logits(model, batch: Batch) -> torch.Tensor:
         use_cache=False,
     )
     return out.logits
+
+
+def _shared_prompt_logits(model, batch: Batch) -> torch.Tensor:
+    """`completion_logits` with one forward per distinct prompt: [N, C + 1, V].
+
+    The U distinct prompts run with a KV cache and keep their last position's logits (it
+    predicts completion token 0); the cache's rows are gathered to the N completions, which then
+    run on top of it with the full [N, P + C] attention mask and their own positions.
+    """
+    width_p, width_c = batch.prompt_width, batch.completion_mask.shape[1]
+    rows, index = batch.prompt_rows, batch.prompt_index  # [U], [N]
+    head = model(
+        input_ids=batch.input_ids[rows, :width_p],  # [U, P]
+        attention_mask=batch.attention_mask[rows, :width_p],  # [U, P]
+        position_ids=batch.position_ids[rows, :width_p],  # [U, P]
+        logits_to_keep=1,
+        use_cache=True,
+    )
+    cache = head.get("cache") or head.past_key_values  # transformers >= 5.2x name it `cache`
+    cache.reorder_cache(index)  # every layer's keys / values: [U, ...] -> [N, ...]
+    tail = model(
+        input_ids=batch.input_ids[:, width_p:],  # [N, C]
+        attention_mask=batch.attention_mask,  # [N, P + C]
+        position_ids=batch.position_ids[:, width_p:],  # [N, C]
+        **{_cache_argument(model): cache},
+        logits_to_keep=width_c,
+        use_cache=True,
+    )
+    return torch.cat([head.logits[index], tail.logits], dim=1)  # [N, C + 1, V]
+
+
+def _checkpointing(model) -> bool:
+    """Whether gradient (activation) checkpointing is on, under either transformers name."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(base), name):
+            return bool(getattr(base, name))
+    return False
+
+
+def _cache_argument(model) -> str:
+    """The forward's KV-cache argument: `cache` (newer transformers) or `past_key_values`."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return (
+        "cache"
+        if "cache" in inspect.signature(type(base).forward).parameters
+        else ("past_key_values")
+    )
 
 
 def completion_logprobs(
@@ -187,6 +262,19 @@ def _grad_chunk(logits, flat_y, lse, g, idx, width, scale) -> torch.Tensor:
     return gz.mul_(scale).to(logits.dtype)
 
 
+def dropout_in_training(model) -> bool:
+    """Whether a train-mode forward is random: an `nn.Dropout` with p > 0 (LoRA dropout), or a
+    `*dropout` / `*pdrop` config value > 0 (attention dropout is functional, not a module)."""
+    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
+        return True
+    cfg = getattr(model, "config", None)
+    values = cfg.to_dict() if hasattr(cfg, "to_dict") else {}
+    return any(
+        k.endswith(("dropout", "pdrop")) and isinstance(v, float | int) and v > 0
+        for k, v in values.items()
+    )
+
+
 class Policy:
     """Base + LoRA, with the adapter export the samplers need."""
 
@@ -199,6 +287,7 @@ class Policy:
         lora_rank: int,
         trainable_extra: list[str],
         dtype: torch.dtype,
+        share_prompts: bool = False,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -207,6 +296,7 @@ class Policy:
         self.lora_rank = lora_rank
         self.trainable_extra = list(trainable_extra)
         self.dtype = dtype
+        self.share_prompts = share_prompts  # each distinct prompt of a micro-batch runs once
 
     @property
     def trains_base(self) -> bool:
@@ -268,7 +358,11 @@ class Policy:
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
             model.enable_input_require_grads()
-        return cls(model, tokenizer, device, base_path, m.lora_rank, m.trainable_extra, dtype)
+        share = cfg.train.share_prompts and not m.gradient_checkpointing
+        share = share and not dropout_in_training(model)  # see the module docstring
+        return cls(
+            model, tokenizer, device, base_path, m.lora_rank, m.trainable_extra, dtype, share
+        )
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -287,7 +381,8 @@ class Policy:
             params[name].data.copy_(value.to(params[name].device, params[name].dtype))
 
     def batch(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> Batch:
-        return make_batch(prompt_ids, completion_ids, self.tokenizer.pad_token_id, self.device)
+        pad = self.tokenizer.pad_token_id
+        return make_batch(prompt_ids, completion_ids, pad, self.device, self.share_prompts)
 
     def ref_context(self):
         """Context in which the model is the reference policy (adapter disabled)."""

@@ -20,7 +20,7 @@ import torch
 from ebpo_lite import checkpoint, checks, config, curriculum, data, faults, loss, rewards
 from ebpo_lite.advantages import EBPrior, compute_advantages
 from ebpo_lite.errors import ConfigError, UserError
-from ebpo_lite.policy import Policy, completion_logprobs
+from ebpo_lite.policy import Policy, completion_logprobs, dropout_in_training
 from ebpo_lite.rollout import Rollout, RolloutBackend, make_backend
 
 
@@ -181,7 +181,7 @@ class Run:
         ]
         old_rows: list[int] = []
         if a.num_iterations > 1 or n_mini > 1:
-            live = set() if _dropout_in_training(self.policy.model) else set(minis[0])
+            live = set() if dropout_in_training(self.policy.model) else set(minis[0])
             old_rows = [i for i in rows if i not in live]
         fixed = self._fixed_logprobs(prompts, roll, old_rows, rows if a.kl_coef > 0 else [])
         stats: dict[str, torch.Tensor] = {}
@@ -469,19 +469,6 @@ def micro_batches(
     """
     order = sorted(rows, key=lambda i: (len(completions[i]), len(prompts[i])))
     return [order[s : s + size] for s in range(0, len(order), size)]
-
-
-def _dropout_in_training(model) -> bool:
-    """Whether a train-mode forward is random: an `nn.Dropout` with p > 0 (LoRA dropout), or a
-    `*dropout` / `*pdrop` config value > 0 (attention dropout is functional, not a module)."""
-    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
-        return True
-    cfg = getattr(model, "config", None)
-    values = cfg.to_dict() if hasattr(cfg, "to_dict") else {}
-    return any(
-        k.endswith(("dropout", "pdrop")) and isinstance(v, float | int) and v > 0
-        for k, v in values.items()
-    )
 
 
 def _stack(rows: list[torch.Tensor], width: int) -> torch.Tensor:

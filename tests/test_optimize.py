@@ -107,7 +107,12 @@ def test_first_mini_batch_takes_its_old_logprobs_from_its_own_forward(tmp_path, 
     scored = []  # rows forwarded without grad: the up-front old log-probs
 
     def count(module, args, kwargs, output):
-        if not torch.is_grad_enabled():
+        # a shared-prompt forward is two calls: the distinct prompts (use_cache, no cache in),
+        # then every row's completion on their cache; count the rows of the second
+        prompt_pass = (
+            kwargs.get("use_cache") and kwargs.get("cache", kwargs.get("past_key_values")) is None
+        )
+        if not torch.is_grad_enabled() and not prompt_pass:
             scored.append(kwargs["input_ids"].shape[0])
 
     hook = run.policy.model.register_forward_hook(count, with_kwargs=True)

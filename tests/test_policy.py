@@ -140,3 +140,85 @@ def test_no_fp32_full_vocabulary_copy_is_kept_for_backward():
     big = [t for t in kept if t.shape[-1:] == (128,) and t.numel() >= n * c * 128]  # [N, C+, V]
     assert big and all(t.dtype == torch.bfloat16 for t in big), [(t.dtype, t.shape) for t in big]
     logp.sum().backward()  # and backward runs from what was kept
+
+
+# ----------------------------------------------------------------------------- shared prompts
+
+
+def _grouped_rows(tok, group: int = 3):
+    """Ragged prompts, each `group` times with ragged completions (one empty), shuffled rows."""
+    prompts = [tok.encode(p) for p in ("7+5=", "12*34=", "1-1=")]
+    texts = ["12", "36 and more", "", "81", "4080", "0", "x", "408", "00"]
+    rows = [(prompts[k % 3], tok.encode(texts[k % len(texts)])) for k in range(3 * group)]
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(1)).tolist()
+    return [rows[i][0] for i in order], [rows[i][1] for i in order]
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_shared_prompts_equal_the_full_batch(attn):
+    """Logits, log-probs and every LoRA gradient of the shared-prompt forward equal the full
+    batch's to fp32 round-off, in train mode, with ragged (left-padded) prompts."""
+    tok = build_tokenizer()
+    model = _lora_model()
+    model.base_model.model.config._attn_implementation = attn
+    model.train()
+    prompts, completions = _grouped_rows(tok)
+    full = make_batch(prompts, completions, tok.pad_token_id)
+    shared = make_batch(prompts, completions, tok.pad_token_id, share_prompts=True)
+    assert full.prompt_index is None
+    assert len(shared.prompt_rows) == 3 and len(shared.prompt_index) == 9
+    for i, u in enumerate(shared.prompt_index.tolist()):  # each row points at its own prompt
+        assert prompts[shared.prompt_rows[u]] == prompts[i]
+
+    grads, logps, logits = [], [], []
+    for batch in (full, shared):
+        model.zero_grad()
+        logits.append(completion_logits(model, batch).detach())
+        logp, _ = completion_logprobs(model, batch)  # [N, C]
+        (logp * batch.completion_mask).sum().backward()
+        logps.append(logp.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+    real = full.completion_mask.bool()
+    assert torch.allclose(logits[0][:, :-1][real], logits[1][:, :-1][real], atol=1e-5, rtol=0)
+    assert (logps[0] - logps[1]).abs()[real].max() < 1e-5
+    for name, g in grads[0].items():
+        assert g.abs().sum() > 0, name  # every LoRA weight is reached, the prompt's ones too
+        assert torch.allclose(g, grads[1][name], atol=1e-5, rtol=1e-4), name
+
+
+def test_shared_prompts_run_each_distinct_prompt_once():
+    tok = build_tokenizer()
+    model = _lora_model().eval()
+    prompts, completions = _grouped_rows(tok, group=4)
+    seen = []
+
+    def record(module, args, kwargs, output):
+        seen.append(tuple(kwargs["input_ids"].shape))
+
+    hook = model.register_forward_hook(record, with_kwargs=True)
+    with torch.no_grad():
+        completion_logits(model, make_batch(prompts, completions, 0, share_prompts=True))
+        completion_logits(model, make_batch(prompts, completions, 0))
+    hook.remove()
+    width_p = max(map(len, prompts))
+    width_c = max(map(len, completions))
+    assert seen == [(3, width_p), (12, width_c), (12, width_p + width_c)]
+
+
+def test_distinct_prompts_and_checkpointing_run_the_full_batch():
+    tok = build_tokenizer()
+    prompts = [tok.encode(p) for p in ("7+5=", "12*34=")]
+    assert make_batch(prompts, [[1], [2]], 0, share_prompts=True).prompt_index is None
+    model = _lora_model()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+    model.train()
+    prompts, completions = _grouped_rows(tok)
+    shared = make_batch(prompts, completions, tok.pad_token_id, share_prompts=True)
+    calls = []
+    hook = model.register_forward_hook(lambda *a: calls.append(1))
+    logp, _ = completion_logprobs(model, shared)
+    hook.remove()
+    assert len(calls) == 1  # one full forward: checkpointed layers would drop the prompt cache
+    full = make_batch(prompts, completions, tok.pad_token_id)
+    assert torch.allclose(logp, completion_logprobs(model, full)[0], atol=1e-6)
