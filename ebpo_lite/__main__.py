@@ -1,8 +1,7 @@
 """`ebpo-lite COMMAND ...` (and `python -m ebpo_lite COMMAND ...`): one front door to the commands.
 
 Each command is the `main(argv)` of the module that `python -m ebpo_lite.<module>` runs, imported
-only when called, so `ebpo-lite --help` loads none of them and a module with a missing optional
-dependency breaks only its own command. `recipes` is the one command defined here: it lists the
+only when called, so a module with a missing optional dependency breaks only its own command. `recipes` is the one command defined here: it lists the
 packaged recipes (`catalog.py`) with the planner's memory estimate.
 
 This is not `cli.py` because every command module imports `cli` (for `cli.run`): a dispatcher
@@ -17,6 +16,8 @@ import sys
 from collections.abc import Callable
 
 import ebpo_lite
+from ebpo_lite import catalog, config, plan
+from ebpo_lite.errors import UserError
 
 PROG = "ebpo-lite"
 
@@ -69,10 +70,10 @@ def _load(command: str, module: str) -> Callable[[list[str]], int] | None:
     try:
         return importlib.import_module(module).main
     except ModuleNotFoundError as e:
-        if e.name == module:
-            what = f"{module} is not part of this installation of ebpo_lite"
+        if e.name is not None and e.name.split(".")[0] == "ebpo_lite":
+            what = f"{e.name} is not part of this installation of ebpo_lite"
         else:
-            what = f"needs the package {e.name!r}, which is not installed (pip install {e.name})"
+            what = f"needs the Python package {e.name!r}, which is not installed"
         print(f"error: {PROG} {command}: {what}", file=sys.stderr)
         return None
 
@@ -86,23 +87,21 @@ def _label(argv: list[str]) -> int:
     if argv[0] not in LABELS:
         print(_unknown(f"a kind of {PROG} label", argv[0], list(LABELS)), file=sys.stderr)
         return 2
-    main = _load(f"label {argv[0]}", LABELS[argv[0]][0])
-    return 2 if main is None else main(argv[1:])
+    fn = _load(f"label {argv[0]}", LABELS[argv[0]][0])
+    return 2 if fn is None else fn(argv[1:])
 
 
-def _memory(info, cfg) -> str:
+def _memory(info: catalog.RecipeInfo, cfg: config.Config) -> str:
     """The planner's peak on the GPU the recipe's header names, else its `# Memory:` line."""
     if info.plan_gpu is None:
         return info.memory_note or "?"
-    from ebpo_lite import plan
-
     name, gib = plan.parse_gpu(info.plan_gpu)
     peaks = plan.plan(cfg, gib, name)["per_device_gb"]
     gpus = f", {len(peaks)} GPUs" if len(peaks) > 1 else ""
     return f"{' / '.join(f'{v:.1f}' for v in peaks.values())} GiB of {gib:g}{gpus} (planner)"
 
 
-def _model(cfg) -> str:
+def _model(cfg: config.Config) -> str:
     m = cfg.model
     quant = ", NF4" if m.load_in_4bit else ""
     return f"{'tiny (built in)' if m.name == 'tiny' else m.name}{quant} + LoRA r{m.lora_rank}"
@@ -110,8 +109,6 @@ def _model(cfg) -> str:
 
 def recipe_rows() -> list[tuple[str, str, str, str]]:
     """(name, model, GPU, memory) of every packaged recipe, from its YAML and header."""
-    from ebpo_lite import catalog, config
-
     rows = []
     for name in catalog.recipe_names():
         path = catalog.recipes_dir() / f"{name}.yaml"
@@ -122,16 +119,17 @@ def recipe_rows() -> list[tuple[str, str, str, str]]:
 
 def recipes(argv: list[str]) -> int:
     """`ebpo-lite recipes`: the packaged recipes as a table, and where they and the notebooks are."""
-    from ebpo_lite import catalog, cli
-
     if argv and argv[0] in ("-h", "--help"):
         print(f"usage: {PROG} recipes\n{COMMANDS['recipes'][1]}; {PROG} train NAME runs one.")
         return 0
     if argv:
         print(f"error: {PROG} recipes takes no arguments, got {' '.join(argv)}", file=sys.stderr)
         return 2
-    cli.quiet_libraries()
-    rows = [("recipe", "model", "GPU", "peak memory"), *recipe_rows()]
+    try:
+        rows = [("recipe", "model", "GPU", "peak memory"), *recipe_rows()]
+    except UserError as e:  # a packaged recipe that does not load
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     for r in rows:
         print("  ".join(f"{c:<{w}}" for c, w in zip(r, widths)) + "  " + r[3])
