@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from ebpo_lite.catalog import recipe_path
 from ebpo_lite.errors import ConfigError
 
 ESTIMATORS = ("grpo", "dr_grpo", "rloo", "ebpo")
@@ -193,10 +194,11 @@ class Config:
 
 
 def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read a recipe and apply `section.key=value` overrides; validate everything."""
+    """Read a recipe (a path, or a packaged recipe's name: `catalog.recipe_path`) and apply
+    `section.key=value` overrides; validate everything."""
     raw: dict[str, Any] = {}
     if path is not None:
-        raw = _read_yaml(Path(path))
+        raw = _read_yaml(recipe_path(path))
     for item in overrides:
         _apply_override(raw, item)
     cfg = _build(Config, raw, prefix="")
@@ -216,7 +218,8 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         what = "is a folder, not a recipe file" if path.is_dir() else "recipe file not found"
         raise ConfigError(
-            f"{path}: {what}; give the path of a YAML recipe, e.g. recipes/tiny_cpu.yaml"
+            f"{path}: {what}; give the path of a YAML recipe, e.g. recipes/tiny_cpu.yaml, "
+            "or a packaged recipe's name (ebpo-lite recipes lists them)"
         )
     try:
         data = yaml.safe_load(path.read_text())

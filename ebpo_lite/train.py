@@ -241,12 +241,16 @@ class _StopFlag:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(
-            "usage: python -m ebpo_lite.train RECIPE.yaml [section.key=value ...]\n"
-            "example: python -m ebpo_lite.train recipes/tiny_cpu.yaml train.steps=20"
-        )
-        return 0 if argv else 2
+    if any(a in ("-h", "--help") for a in argv):
+        from ebpo_lite.confighelp import train_help
+
+        print(train_help())  # every config key with its type, default and note
+        return 0
+    if not argv:
+        from ebpo_lite.confighelp import USAGE
+
+        print(f"{USAGE}\n--help lists every config key.", file=sys.stderr)
+        return 2
     return cli.run(lambda: train(config.load(argv[0], argv[1:])))
 
 
