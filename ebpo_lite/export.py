@@ -239,9 +239,12 @@ def model_card(cfg: Any, run: Path, out: Path, info: dict[str, Any], final: dict
     if m.load_in_4bit:
         lines += [
             "",
-            "The adapter was trained on the NF4-quantised base: on the 16-bit base it behaves "
-            "very nearly, not exactly, the same; `merged/` (from `--merge`) holds the dequantized "
-            "base plus the adapter, the trained model itself.",
+            "The adapter was trained on the NF4-quantised base. On the unquantised base it is "
+            "not quite the trained model (the difference is the base's quantisation error); to "
+            "get the trained model itself, load the base in NF4 as training did "
+            "(`BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', "
+            "bnb_4bit_use_double_quant=True)`), or use `merged/` (`--merge`): the base "
+            "dequantized, plus the adapter.",
         ]
     lines += ["", f"Made by `python -m ebpo_lite.export {run}`.", ""]
     return "\n".join(lines)

@@ -177,3 +177,23 @@ def test_mistakes_are_one_line(run, tmp_path, capsys, args, message):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+@pytest.mark.slow
+def test_nf4_run_merges_dequantized(tmp_path):
+    """An NF4 run's merge is its dequantized base + adapter: the trained model itself (the
+    unquantised base + adapter is not: on the tiny model its logits were 0.18 away)."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "nf4_run"
+    extra = {"model.load_in_4bit": "true", "train.steps": 2, "eval.num_examples": 0}
+    train(config.load(TINY_RECIPE, fast_overrides(run, **extra)))
+    out = export_run(run, merge=True)
+    assert out == run / "export"
+    policy = load_policy(config.load(run / "config.yaml"), run / "checkpoints" / "step_2")
+    want = _logits(policy.model, policy.tokenizer)
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged")
+    assert not any("quant" in k or "absmax" in k for k in merged.state_dict())  # plain weights
+    assert (_logits(merged, policy.tokenizer) - want).abs().max().item() < 1e-5
+    assert "NF4-quantised base" in (out / "README.md").read_text()
