@@ -277,8 +277,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def run() -> None:
         paths = plot_runs(args.run_dirs, args.out, args.label)
-        where = paths[0].parent if paths else args.out
-        print(f"{len(paths)} figures in {where}: " + ", ".join(p.name for p in paths))
+        if not paths:
+            print("no figure: none of the plotted series is in these runs' metrics")
+            return
+        print(f"{len(paths)} figures in {paths[0].parent}: " + ", ".join(p.name for p in paths))
 
     return cli.run(run)
 
