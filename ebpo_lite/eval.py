@@ -169,7 +169,7 @@ def benchmark_examples(name: str, dcfg: DataConfig | None = None) -> list[Exampl
         return arithmetic_examples(ARITHMETIC_EVAL_SIZE, seed=seed, split="eval")
     from ebpo_lite import mathdata
 
-    return mathdata.load_benchmark(name)
+    return mathdata.load_benchmark(name, data_dir=dcfg.data_dir if dcfg is not None else None)
 
 
 def score(
@@ -455,11 +455,9 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out or (run_dir / "eval.json" if run_dir else "eval.json"))
     partial = Path(f"{out}.partial.jsonl")
     out.parent.mkdir(parents=True, exist_ok=True)
-    for bench in benches:  # fail on missing data before writing or loading anything
+    for bench in benches:  # missing data fails (or downloads) before anything is written or loaded
         benchmark_examples(bench, cfg.data)
     done = _done_records(partial, _settings(args, cfg, ckpt))
-    for bench in benches:  # fail on a missing benchmark before loading the model
-        benchmark_examples(bench, cfg.data)
     policy = load_policy(cfg, ckpt)
     longest = _longest_prompt(cfg, policy.tokenizer, benches, args.limit)
     top_p = args.top_p if args.temperature > 0 else 1.0

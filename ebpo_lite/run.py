@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ebpo_lite import checkpoint, checks, config, curriculum, data, faults, loss, rewards
+from ebpo_lite import checkpoint, checks, config, curriculum, data, faults, labels, loss, rewards
 from ebpo_lite.advantages import EBPrior, compute_advantages
 from ebpo_lite.errors import ConfigError, UserError
 from ebpo_lite.policy import Policy, completion_logprobs
@@ -317,50 +318,47 @@ def load_policy(cfg: config.Config, log=print) -> Policy:
     return Policy.from_config(cfg, log=log)
 
 
-def build_run(cfg: config.Config) -> Run:
+def build_run(cfg: config.Config, log: Callable[[str], None] = print) -> Run:
     """Everything a run holds. The user's mistakes surface first, before any write or model load:
-    the config against the machine and paths (`checks`), the reward functions, the data."""
+    the config against the machine and paths (`checks`), the reward functions, the data. Then it
+    says what it does, one line each: the data, the memory plan, the model (the hub's download
+    progress follows), the sampler, and the labels `data.labels_path=auto` makes."""
     checks.before_load(cfg)
     fns, weights = reward_functions(cfg)
     train_ex, eval_ex = data.load_train_eval(cfg.data)
     if not train_ex:
         raise UserError("data: no training examples; check data.max_examples and the data file")
+    log(f"data: {len(train_ex)} training prompts from {data.describe_source(cfg.data, train_ex)}, "
+        f"{len(eval_ex)} held out for the eval")  # fmt: skip
+    train_ex = labels.maybe_topic_labels(cfg, train_ex, log)
     out = _prepare_output_dir(cfg)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.train.seed)
     from ebpo_lite.plan import preflight
 
-    preflight(cfg)  # on a GPU: refuse a plan that cannot fit before the model loads (CPU: no-op)
+    # on a GPU: refuse a plan that cannot fit before the model loads (CPU: no plan)
+    log(memory_line(preflight(cfg)))
+    log(model_line(cfg))
     policy = load_policy(cfg)
     prompt_ids = data.encode_prompts(policy.tokenizer, train_ex, cfg.data)
+    backend = make_backend(cfg, policy)
+    log(sampler_line(cfg))
+    labelled = labels.maybe_difficulty_labels(
+        cfg, train_ex, prompt_ids, policy, backend, (fns, weights), log
+    )
     prompt_sampler = curriculum.make_sampler(
         cfg.curriculum.sampler,
         len(train_ex),
         cfg.train.seed,
-        topics=[ex.topic for ex in train_ex],
-        difficulties=[ex.difficulty for ex in train_ex],
+        topics=[ex.topic for ex in labelled],
+        difficulties=[ex.difficulty for ex in labelled],
         difficulty_is_pass_rate=False,  # levels, and labels files store 1 - pass_rate
         topic_order=cfg.curriculum.topic_order,
         run_length=cfg.curriculum.run_length,
         repeat=cfg.curriculum.repeat,
     )
-    a = cfg.algo
-    prior = (
-        EBPrior(
-            tau2=a.tau2,
-            sigma2=a.sigma2,
-            center=a.center,
-            decay=a.decay,
-            min_count=a.min_count,
-            tau2_min=a.tau2_min,
-            leave_one_out=a.leave_one_out,
-            prompt_prior=a.prompt_prior,
-            prompt_capacity=a.prompt_capacity,
-        )
-        if a.estimator == "ebpo"
-        else None
-    )
+    prior = _prior(cfg.algo)
     optimizer = torch.optim.AdamW(
         policy.trainable_parameters(),
         lr=cfg.train.lr,
@@ -368,14 +366,13 @@ def build_run(cfg: config.Config) -> Run:
         weight_decay=cfg.train.weight_decay,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(cfg.train))
-    backend = make_backend(cfg, policy)
     if not (out / "config.yaml").exists() or not cfg.train.resume:
         (out / "config.yaml").write_text(config.dump(cfg))
     return Run(
         cfg,
         policy,
         backend,
-        train_ex,
+        labelled,
         eval_ex,
         prompt_ids,
         fns,
@@ -384,6 +381,77 @@ def build_run(cfg: config.Config) -> Run:
         prior,
         optimizer,
         scheduler,
+    )
+
+
+def _prior(a: config.AlgoConfig) -> EBPrior | None:
+    if a.estimator != "ebpo":
+        return None
+    return EBPrior(
+        tau2=a.tau2,
+        sigma2=a.sigma2,
+        center=a.center,
+        decay=a.decay,
+        min_count=a.min_count,
+        tau2_min=a.tau2_min,
+        leave_one_out=a.leave_one_out,
+        prompt_prior=a.prompt_prior,
+        prompt_capacity=a.prompt_capacity,
+    )
+
+
+def memory_line(p: dict[str, Any] | None) -> str:
+    """The memory plan in one line (`plan.preflight`'s), or why there is none."""
+    if p is None:
+        return "memory: no GPU, so no GPU memory plan (python -m ebpo_lite.plan RECIPE --gpu 24)"
+    peak = max(p["per_device_gb"].values())
+    line = (
+        f"memory plan: weights {p['policy_weights_gb']:.1f} GiB, training phase "
+        f"{p['training_phase_gb']:.1f}, peak {peak:.1f} of {p['gpu_gb']:.1f} GiB usable"
+    )
+    if p["vllm_reserved_gb"]:
+        line += (
+            f"; vLLM reserves {p['vllm_reserved_gb']:.1f} GiB: "
+            f"{p['vllm_concurrent_sequences']} of {p['sequences_per_step']} sequences at once"
+        )
+    return line
+
+
+def model_line(cfg: config.Config) -> str:
+    """What is about to load: name, dtype, 4-bit, device, and whether it downloads first."""
+    from ebpo_lite.device import resolve_device, resolve_dtype
+
+    m = cfg.model
+    device = resolve_device(m.device)
+    dtype = str(resolve_dtype(m.dtype, device)).removeprefix("torch.")
+    parts = [dtype, "4-bit NF4" if m.load_in_4bit else "", f"on {device}", f"LoRA r {m.lora_rank}"]
+    where = ""
+    if m.name == "tiny":
+        where = " (built in)"
+    elif not Path(m.name).expanduser().exists():
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = isinstance(try_to_load_from_cache(m.name, "config.json"), str)
+        where = (
+            " (from the Hugging Face cache)"
+            if cached
+            else " (not in the Hugging Face cache yet: downloading it first, progress below)"
+        )
+    return f"model: {m.name}{where}, {', '.join(p for p in parts if p)}"
+
+
+def sampler_line(cfg: config.Config) -> str:
+    """The sampler and how much it samples per step."""
+    r = cfg.rollout
+    name = {
+        "hf": f"transformers ({'lean decode loop' if r.hf_loop == 'lean' else 'generate'}, "
+        "the trainer's own model)",
+        "vllm": f"vLLM (gpu_memory_utilization {r.gpu_memory_utilization}, adapter-only sync)",
+        "unsloth": "Unsloth's vLLM (shares the trainer's base)",
+    }[r.backend]
+    return (
+        f"sampler: {name}; {cfg.train.prompts_per_step} prompts x {r.group_size} completions "
+        f"per step, up to {r.max_new_tokens} new tokens"
     )
 
 
