@@ -143,20 +143,19 @@ def read_records(path: str | Path) -> Iterator[tuple[str, Any]]:
 
 
 def _hub_records(
-    what: str, repo: str, config: str | None, split: str, local: str
+    what: str, repo: str, config: str | None, split: str, local: str, note: str = ""
 ) -> Iterator[tuple[str, Any]]:
     """Rows of a hub dataset. `what` names the setting (`data.name: gsm8k`, `benchmark aime24`)
-    and `local` the file a local data folder would hold, for the one-line errors."""
+    and `local` the file a local data folder would hold, for the one-line errors; `note` is
+    logged once the dataset has loaded."""
     try:
         import datasets
     except ImportError:
         raise UserError(f"{what}: loading {repo} from the hub needs `datasets`") from None
-    instead = (
-        f"set EBPO_LITE_DATA (or data.data_dir) to a folder holding {local}, or data.path to a "
-        "local json/jsonl/parquet file"
-        if local
-        else "set data.path to a local json/jsonl/parquet file"
-    )
+    folder = f"set EBPO_LITE_DATA (or data.data_dir) to a folder holding {local}"
+    path = "set data.path to a local json/jsonl/parquet file"
+    benchmark = what.startswith("benchmark")
+    instead = folder if benchmark else f"{folder}, or {path}" if local else path
     try:
         ds = datasets.load_dataset(repo, config, split=split)
     except Exception as e:  # offline, no network, unknown id, missing split or config
@@ -169,6 +168,8 @@ def _hub_records(
             f"{what}: cannot load the hub dataset {repo} split {split!r} ({_first_line(e)}); "
             f"check the id, or {instead}"
         ) from None
+    if note:
+        log.warning("%s", note)
     name = f"{repo}:{config}" if config else repo
     for i, row in enumerate(ds, start=1):
         yield f"{name}[{split}]:row {i}", row
@@ -298,7 +299,10 @@ def _math(row: dict) -> Row:
     dk = next((k for k in ("level", "difficulty") if k in row), None)
     diff = _difficulty(row, dk) if dk else None
     if "answer" not in row and "solution" in row:
-        answer = _answer({"answer": last_boxed(_text(row, "solution"))}, "answer")
+        boxed = last_boxed(_text(row, "solution"))
+        if boxed is None:
+            raise _RowError("answer: missing field (and no \\boxed{} in the solution)")
+        answer = _answer({"answer": boxed}, "answer")
     else:
         answer = _answer(row, "answer")
     return (
@@ -467,10 +471,10 @@ def _source(cfg: DataConfig) -> tuple[str, Iterator[tuple[str, Any]]]:
     else:
         repo, _, config = cfg.name.partition(":")
         config, split = config or HUB_CONFIGS.get(repo) or None, cfg.split
-    if root is not None and rel:
-        log.warning("%s has no %s; loading %s from the hub", where, rel, repo)
+    note = f"{where} has no {rel}; loaded {repo} from the hub" if root is not None and rel else ""
+    what = f"data.name: {cfg.name}" if cfg.name in HUB else "data.name"
     source = f"the hub's {repo}" + (f" ({config}, {split})" if config else f" ({split})")
-    return source, _hub_records(f"data.name: {cfg.name}", repo, config, split, rel)
+    return source, _hub_records(what, repo, config, split, rel, note)
 
 
 def _resolve_preset(cfg: DataConfig, source: str, first: Any) -> str:
