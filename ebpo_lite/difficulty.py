@@ -27,41 +27,18 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Any
 
 from ebpo_lite import cli
 from ebpo_lite.errors import UserError
+from ebpo_lite.labels import TEMPERATURE, K, check_file, label_prompts, pass_rates
 
-
-def pass_rates(totals: list[float | None], k: int) -> list[tuple[float | None, int, float | None]]:
-    """(pass rate, samples judged, mean reward) per prompt from prompt-major rewards [B * k]."""
-    out = []
-    for s in range(0, len(totals), k):
-        judged = [t for t in totals[s : s + k] if t is not None]
-        if not judged:
-            out.append((None, 0, None))
-            continue
-        rate = sum(min(max(t, 0.0), 1.0) for t in judged) / len(judged)
-        out.append((rate, len(judged), sum(judged) / len(judged)))
-    return out
-
-
-def _check_resume(rows: list[dict[str, Any]], path: Path, k: int, temperature: float) -> None:
-    for r in rows:
-        if r.get("k") != k or r.get("temperature") != temperature:
-            raise UserError(
-                f"{path}: rows computed with k={r.get('k')}, temperature={r.get('temperature')} "
-                f"(asked k={k}, temperature={temperature}); delete it or choose another --out"
-            )
-
-
-K = 16  # samples per prompt: the paper's setting (also `data.labels_path=auto`'s)
-TEMPERATURE = 1.0
+__all__ = ["label", "main", "pass_rates"]
 
 
 def label(args: argparse.Namespace) -> Path:
     from ebpo_lite import config, data, rewards
-    from ebpo_lite.eval import load_policy, make_sampler, read_jsonl
+    from ebpo_lite.eval import load_policy, make_sampler
+    from ebpo_lite.jsonl import read_jsonl
     from ebpo_lite.run import reward_functions
 
     cfg = config.load(args.recipe, args.overrides)
@@ -97,79 +74,6 @@ def label(args: argparse.Namespace) -> Path:
         f"use it with: data.labels_path={out}"
     )
     return out
-
-
-def check_file(out: Path, examples: list, k: int, temperature: float) -> set[int]:
-    """The indices a labels file being resumed already holds; UserError if its rows were made
-    with other settings or for other data."""
-    from ebpo_lite.eval import read_jsonl
-    from ebpo_lite.prompts import prompt_digest
-
-    rows = read_jsonl(out)
-    _check_resume(rows, out, k, temperature)
-    for r in rows:
-        i = r.get("index")
-        if not isinstance(i, int) or i >= len(examples):
-            raise UserError(f"{out}: index {i!r} is not a training example here; other data?")
-        if r.get("prompt_sha1") != prompt_digest(examples[i].prompt):
-            raise UserError(f"{out}: example {i} differs from the file's; labels for other data?")
-    return {r["index"] for r in rows}
-
-
-def label_prompts(
-    cfg: Any,
-    examples: list,
-    prompts: list[list[int]],
-    sampler: Any,
-    tokenizer: Any,
-    reward: tuple[list, list[float]],
-    out: Path,
-    k: int = K,
-    temperature: float = TEMPERATURE,
-    max_new_tokens: int | None = None,
-    batch_size: int = 32,
-) -> None:
-    """Append a labels row to `out` for every example it does not hold yet: k completions of
-    `prompts[i]` (the encoded example i) from `sampler`, scored by `reward` (the run's (name,
-    function) pairs and weights). `python -m ebpo_lite.difficulty` and `data.labels_path=auto`
-    (`ebpo_lite.labels`) both label through here, with the same seeds."""
-    from tqdm import tqdm
-
-    from ebpo_lite import rewards
-    from ebpo_lite.eval import append_jsonl
-    from ebpo_lite.prompts import prompt_digest
-
-    done = check_file(out, examples, k, temperature)
-    todo = [i for i in range(len(examples)) if i not in done]
-    fns, weights = reward
-    bar = tqdm(total=len(examples), initial=len(done), desc="difficulty", unit="prompt")
-    try:
-        for start in range(0, len(examples), batch_size):
-            idx = [i for i in todo if start <= i < start + batch_size]
-            if not idx:
-                continue
-            exs = [examples[i] for i in idx]
-            seed = (cfg.train.seed * 1_000_003 + 7919 + start) % (2**31)
-            roll = sampler.generate(
-                [prompts[i] for i in idx], k, seed=seed, temperature=temperature,
-                max_new_tokens=max_new_tokens,
-            )  # fmt: skip
-            texts = tokenizer.batch_decode(roll.completion_ids, skip_special_tokens=True)
-            columns: dict[str, Any] = {"answer": [ex.answer for ex in exs for _ in range(k)]}
-            for key in sorted({key for ex in exs for key in ex.meta}):
-                columns[key] = [ex.meta.get(key) for ex in exs for _ in range(k)]
-            totals, _ = rewards.combine_rewards(
-                dict(fns), weights, texts, timeout_s=cfg.reward.timeout_s, **columns
-            )
-            recs = [
-                {"index": i, "prompt_sha1": prompt_digest(ex.prompt), "pass_rate": rate,
-                 "k": k, "temperature": temperature, "num_scored": n, "mean_reward": mean}
-                for i, ex, (rate, n, mean) in zip(idx, exs, pass_rates(totals, k))
-            ]  # fmt: skip
-            append_jsonl(out, recs)
-            bar.update(len(recs))
-    finally:
-        bar.close()
 
 
 def main(argv: list[str] | None = None) -> int:

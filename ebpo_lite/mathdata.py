@@ -44,12 +44,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ebpo_lite.datasource import hub_records, local_data_root
 from ebpo_lite.errors import UserError
 from ebpo_lite.example import Example, Examples
 from ebpo_lite.presets import BENCHMARKS, EVAL_FOR, HUB, HUB_CONFIGS, LOCAL_FILES, PRESETS
@@ -140,62 +140,6 @@ def read_records(path: str | Path) -> Iterator[tuple[str, Any]]:
         yield from _read_json_array(text, path)
     else:
         yield from _read_json_lines(text, path)
-
-
-def _hub_records(
-    what: str, repo: str, config: str | None, split: str, local: str, note: str = ""
-) -> Iterator[tuple[str, Any]]:
-    """Rows of a hub dataset. `what` names the setting (`data.name: gsm8k`, `benchmark aime24`)
-    and `local` the file a local data folder would hold, for the one-line errors; `note` is
-    logged once the dataset has loaded."""
-    try:
-        import datasets
-    except ImportError:
-        raise UserError(f"{what}: loading {repo} from the hub needs `datasets`") from None
-    folder = f"set EBPO_LITE_DATA (or data.data_dir) to a folder holding {local}"
-    path = "set data.path to a local json/jsonl/parquet file"
-    benchmark = what.startswith("benchmark")
-    instead = folder if benchmark else f"{folder}, or {path}" if local else path
-    try:
-        ds = datasets.load_dataset(repo, config, split=split)
-    except Exception as e:  # offline, no network, unknown id, missing split or config
-        if _offline(e):
-            raise UserError(
-                f"{what}: the hub dataset {repo} is not in the local cache and cannot be "
-                f"downloaded ({_offline_reason()}); {instead}"
-            ) from None
-        raise UserError(
-            f"{what}: cannot load the hub dataset {repo} split {split!r} ({_first_line(e)}); "
-            f"check the id, or {instead}"
-        ) from None
-    if note:
-        log.warning("%s", note)
-    name = f"{repo}:{config}" if config else repo
-    for i, row in enumerate(ds, start=1):
-        yield f"{name}[{split}]:row {i}", row
-
-
-def _offline_reason() -> str:
-    for flag in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
-        if os.environ.get(flag, "").strip().lower() in ("1", "true", "yes", "on"):
-            return f"downloads are off: {flag}=1"
-    return "no connection to the hub"
-
-
-def _offline(e: Exception) -> bool:
-    """Whether `e` says the hub could not be reached (rather than: no such dataset)."""
-    if _offline_reason() != "no connection to the hub":
-        return True
-    names = {t.__name__ for t in type(e).__mro__}
-    return bool(names & {"ConnectionError", "OfflineModeIsEnabled", "Timeout", "ProxyError"})
-
-
-def _first_line(e: Exception) -> str:
-    """`Type: first line` of an exception, without a dict or list repr (those say nothing)."""
-    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    if not text or text.lstrip().startswith(("{", "[", "(")):
-        return type(e).__name__
-    return f"{type(e).__name__}: {text[:200]}"
 
 
 # ----------------------------------------------------------------------------- field helpers
@@ -414,27 +358,6 @@ def guess_preset(source: str, row: dict | None = None) -> str | None:
 # ----------------------------------------------------------------------------- loading
 
 
-def local_data_root(data_dir: str | None = None) -> tuple[Path | None, str]:
-    """(the local data folder, the setting that named it): `data.data_dir`, else EBPO_LITE_DATA,
-    else the first of ../shared/data beside the cwd or beside the repo; (None, "") when none.
-    The folder is laid out as shared/data (`presets.LOCAL_FILES`); what it lacks comes from the
-    hub."""
-    if data_dir:
-        return Path(data_dir).expanduser(), f"data.data_dir={data_dir}"
-    env = os.environ.get("EBPO_LITE_DATA")
-    if env:
-        return Path(env).expanduser(), f"EBPO_LITE_DATA={env}"
-    repo = Path(__file__).resolve().parents[1]
-    for cand in (
-        Path.cwd().parent / "shared" / "data",
-        repo.parent / "shared" / "data",
-        Path.cwd() / "shared" / "data",
-    ):
-        if cand.is_dir():
-            return cand, str(cand)
-    return None, ""
-
-
 def default_data_root() -> Path | None:
     """`local_data_root()`'s folder, without a `data.data_dir`."""
     return local_data_root()[0]
@@ -474,7 +397,7 @@ def _source(cfg: DataConfig) -> tuple[str, Iterator[tuple[str, Any]]]:
     note = f"{where} has no {rel}; loaded {repo} from the hub" if root is not None and rel else ""
     what = f"data.name: {cfg.name}" if cfg.name in HUB else "data.name"
     source = f"the hub's {repo}" + (f" ({config}, {split})" if config else f" ({split})")
-    return source, _hub_records(what, repo, config, split, rel, note)
+    return source, hub_records(what, repo, config, split, rel, note)
 
 
 def _resolve_preset(cfg: DataConfig, source: str, first: Any) -> str:
@@ -600,7 +523,7 @@ def load_benchmark(
     if path is not None and path.is_file():
         return _load(cfg, str(path), read_records(path))
     repo, config, _ = HUB[name]
-    records = _hub_records(f"benchmark {name}", repo, config, hub_split, rel)
+    records = hub_records(f"benchmark {name}", repo, config, hub_split, rel)
     return _load(cfg, f"the hub's {repo}", records)
 
 

@@ -566,14 +566,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if p["fits"] else 1
 
 
-def preflight(cfg: Any) -> dict[str, Any] | None:
-    """Refuse, before anything loads, a plan that cannot fit on the visible GPU(s); returns the
-    plan (`plan`), or None on CPU or when the model's shape is unknown."""
+def preflight(cfg: Any) -> None:
+    """Refuse, before anything loads, a plan that cannot fit on the visible GPU(s); no-op on CPU."""
     from ebpo_lite.device import cuda_memory_gib, cuda_name, resolve_device
 
     dev = resolve_device(cfg.model.device)
     if dev.type != "cuda":
-        return None
+        return
     devices = [dev]
     if cfg.rollout.backend in ("vllm", "unsloth"):
         rdev = resolve_device(
@@ -588,14 +587,13 @@ def preflight(cfg: Any) -> dict[str, Any] | None:
         p = plan(cfg, gib, cuda_name(dev))
     except UserError as e:
         print(f"preflight: memory check skipped ({e})", file=sys.stderr)
-        return None
+        return
     if not p["fits"]:
         used = ", ".join(f"{d} {v:.1f}" for d, v in p["per_device_gb"].items())
         raise UserError(
             f"preflight: {p['model']} needs {used} GiB, {gib:.1f} GiB usable per GPU; "
             + "; ".join(p["advice"] or [f"see python -m ebpo_lite.plan RECIPE --gpu {gib:.0f}"])
         )
-    return p
 
 
 if __name__ == "__main__":

@@ -18,7 +18,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from ebpo_lite import checkpoint, checks, config, curriculum, data, faults, labels, loss, rewards
+from ebpo_lite import (
+    checkpoint,
+    checks,
+    config,
+    curriculum,
+    data,
+    faults,
+    labels,
+    loss,
+    rewards,
+    startup,
+)
 from ebpo_lite.advantages import EBPrior, compute_advantages
 from ebpo_lite.errors import ConfigError, UserError
 from ebpo_lite.policy import Policy, completion_logprobs
@@ -328,8 +339,7 @@ def build_run(cfg: config.Config, log: Callable[[str], None] = print) -> Run:
     train_ex, eval_ex = data.load_train_eval(cfg.data)
     if not train_ex:
         raise UserError("data: no training examples; check data.max_examples and the data file")
-    log(f"data: {len(train_ex)} training prompts from {data.describe_source(cfg.data, train_ex)}, "
-        f"{len(eval_ex)} held out for the eval")  # fmt: skip
+    log(startup.data_line(cfg, train_ex, eval_ex))
     train_ex = labels.maybe_topic_labels(cfg, train_ex, log)
     out = _prepare_output_dir(cfg)
     if cfg.train.threads:
@@ -337,13 +347,13 @@ def build_run(cfg: config.Config, log: Callable[[str], None] = print) -> Run:
     torch.manual_seed(cfg.train.seed)
     from ebpo_lite.plan import preflight
 
-    # on a GPU: refuse a plan that cannot fit before the model loads (CPU: no plan)
-    log(memory_line(preflight(cfg)))
-    log(model_line(cfg))
+    preflight(cfg)  # on a GPU: refuse a plan that cannot fit before the model loads (CPU: no-op)
+    log(startup.memory_line(cfg))
+    log(startup.model_line(cfg))
     policy = load_policy(cfg)
     prompt_ids = data.encode_prompts(policy.tokenizer, train_ex, cfg.data)
     backend = make_backend(cfg, policy)
-    log(sampler_line(cfg))
+    log(startup.sampler_line(cfg))
     labelled = labels.maybe_difficulty_labels(
         cfg, train_ex, prompt_ids, policy, backend, (fns, weights), log
     )
@@ -397,61 +407,6 @@ def _prior(a: config.AlgoConfig) -> EBPrior | None:
         leave_one_out=a.leave_one_out,
         prompt_prior=a.prompt_prior,
         prompt_capacity=a.prompt_capacity,
-    )
-
-
-def memory_line(p: dict[str, Any] | None) -> str:
-    """The memory plan in one line (`plan.preflight`'s), or why there is none."""
-    if p is None:
-        return "memory: no GPU, so no GPU memory plan (python -m ebpo_lite.plan RECIPE --gpu 24)"
-    peak = max(p["per_device_gb"].values())
-    line = (
-        f"memory plan: weights {p['policy_weights_gb']:.1f} GiB, training phase "
-        f"{p['training_phase_gb']:.1f}, peak {peak:.1f} of {p['gpu_gb']:.1f} GiB usable"
-    )
-    if p["vllm_reserved_gb"]:
-        line += (
-            f"; vLLM reserves {p['vllm_reserved_gb']:.1f} GiB: "
-            f"{p['vllm_concurrent_sequences']} of {p['sequences_per_step']} sequences at once"
-        )
-    return line
-
-
-def model_line(cfg: config.Config) -> str:
-    """What is about to load: name, dtype, 4-bit, device, and whether it downloads first."""
-    from ebpo_lite.device import resolve_device, resolve_dtype
-
-    m = cfg.model
-    device = resolve_device(m.device)
-    dtype = str(resolve_dtype(m.dtype, device)).removeprefix("torch.")
-    parts = [dtype, "4-bit NF4" if m.load_in_4bit else "", f"on {device}", f"LoRA r {m.lora_rank}"]
-    where = ""
-    if m.name == "tiny":
-        where = " (built in)"
-    elif not Path(m.name).expanduser().exists():
-        from huggingface_hub import try_to_load_from_cache
-
-        cached = isinstance(try_to_load_from_cache(m.name, "config.json"), str)
-        where = (
-            " (from the Hugging Face cache)"
-            if cached
-            else " (not in the Hugging Face cache yet: downloading it first, progress below)"
-        )
-    return f"model: {m.name}{where}, {', '.join(p for p in parts if p)}"
-
-
-def sampler_line(cfg: config.Config) -> str:
-    """The sampler and how much it samples per step."""
-    r = cfg.rollout
-    name = {
-        "hf": f"transformers ({'lean decode loop' if r.hf_loop == 'lean' else 'generate'}, "
-        "the trainer's own model)",
-        "vllm": f"vLLM (gpu_memory_utilization {r.gpu_memory_utilization}, adapter-only sync)",
-        "unsloth": "Unsloth's vLLM (shares the trainer's base)",
-    }[r.backend]
-    return (
-        f"sampler: {name}; {cfg.train.prompts_per_step} prompts x {r.group_size} completions "
-        f"per step, up to {r.max_new_tokens} new tokens"
     )
 
 
