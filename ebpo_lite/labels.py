@@ -88,6 +88,12 @@ def auto_path(cfg: Config, kind: str) -> Path:
     return cache_root() / "labels" / f"{name}-{kind}-{digest}.jsonl"
 
 
+def auto_batch_size(cfg: Config) -> int:
+    """Prompts per sampling call of `auto`: K samples each, as many sequences as a training step
+    samples (which the run's memory plan allows for)."""
+    return max(1, cfg.train.prompts_per_step * cfg.rollout.group_size // K)
+
+
 def maybe_topic_labels(
     cfg: Config, examples: list[Example], log: Callable[[str], None] = print
 ) -> list[Example]:
@@ -146,7 +152,7 @@ def maybe_difficulty_labels(
         try:
             label_prompts(
                 cfg, examples, prompts, sampler, policy.tokenizer, reward, out,
-                max_new_tokens=cfg.rollout.max_new_tokens,
+                max_new_tokens=cfg.rollout.max_new_tokens, batch_size=auto_batch_size(cfg),
             )  # fmt: skip
         finally:
             sampler.sleep()

@@ -130,8 +130,9 @@ def test_labels_auto_makes_reuses_and_equals_the_command(tmp_path, capsys):
     from ebpo_lite.run import build_run
 
     over = fast_overrides(
-        tmp_path / "run", **{"data.num_train": 24, "data.labels_path": "auto",
-                             "curriculum.sampler": "difficulty", "train.seed": 11}
+        tmp_path / "run", **{"data.num_train": 12, "data.labels_path": "auto",
+                             "curriculum.sampler": "difficulty", "train.seed": 11,
+                             "train.prompts_per_step": 32}
     )  # fmt: skip
     cfg = config.load(TINY_RECIPE, over)
     path = labels.auto_path(cfg, "difficulty")
@@ -142,9 +143,9 @@ def test_labels_auto_makes_reuses_and_equals_the_command(tmp_path, capsys):
         lines: list[str] = []
         run = build_run(cfg, log=lines.append)
         run.backend.close()
-        assert any("labelling 24 prompts" in x and str(path) in x for x in lines), lines
+        assert any("labelling 12 prompts" in x and str(path) in x for x in lines), lines
         rows = _rows(path)
-        assert [r["index"] for r in rows] == list(range(24)) and all(r["k"] == 16 for r in rows)
+        assert [r["index"] for r in rows] == list(range(12)) and all(r["k"] == 16 for r in rows)
         assert [ex.difficulty for ex in run.train_examples] == [1 - r["pass_rate"] for r in rows]
         assert len({r["pass_rate"] for r in rows}) > 1  # real pass rates, not one constant
         stamp = path.stat().st_mtime_ns
@@ -154,7 +155,11 @@ def test_labels_auto_makes_reuses_and_equals_the_command(tmp_path, capsys):
         assert any("reused from" in x for x in again) and path.stat().st_mtime_ns == stamp
         cli_out = tmp_path / "cli.jsonl"
         cli = [a for a in over if not a.startswith("data.labels_path=")]
-        assert difficulty_main([str(TINY_RECIPE), *cli, "--out", str(cli_out)]) == 0
+        batch = str(labels.auto_batch_size(cfg))  # 32 prompts x 4 samples a step: 8 prompts
+        assert (
+            difficulty_main([str(TINY_RECIPE), *cli, "--out", str(cli_out), "--batch-size", batch])
+            == 0
+        )
         assert [r["pass_rate"] for r in _rows(cli_out)] == [r["pass_rate"] for r in rows]
     finally:
         path.unlink(missing_ok=True)
