@@ -228,3 +228,14 @@ def test_offline_without_a_local_copy_is_one_line(tmp_path, argv, want):
                        timeout=120)  # fmt: skip
     assert r.returncode == 2 and r.stderr.strip() == want, r.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_the_logger_extras_the_errors_name_exist():
+    """`log.wandb` / `log.tensorboard` errors say `pip install "ebpo-lite[wandb]"`: those extras
+    must exist and install the package the check looks for."""
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert extras["wandb"] == ["wandb"] and extras["tensorboard"] == ["tensorboard"]
