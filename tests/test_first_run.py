@@ -233,8 +233,7 @@ def test_offline_without_a_local_copy_is_one_line(tmp_path, argv, want):
 def test_the_logger_extras_the_errors_name_exist():
     """`log.wandb` / `log.tensorboard` errors say `pip install "ebpo-lite[wandb]"`: those extras
     must exist and install the package the check looks for."""
-    import tomllib
-
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.11+ reads TOML")
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
         "optional-dependencies"
     ]
