@@ -10,9 +10,12 @@ what to do (`errors.py`). What is checked:
   or, worse, resume silently into a different run.
 - the machine: `train.threads` within the CPU cores this process may use, a core left for
   vLLM's worker on CPU (shared/PLATFORM.md: 2 trainer threads beside it on 2 cores made steps
-  erratic), the packages `rollout.backend=vllm` and `model.load_in_4bit` need.
+  erratic), the packages `rollout.backend=vllm`, `model.load_in_4bit`, `log.wandb` and
+  `log.tensorboard` need.
 - `model.name`: `tiny`, a local folder holding `config.json`, or a valid hub id (in the local
   cache when HF_HUB_OFFLINE is set): never a download attempt for a mistyped path.
+- `data.labels_path`: the file exists (or is `auto`); if not, the line is the command that
+  writes it (`labels.check_path`).
 """
 
 from __future__ import annotations
@@ -48,9 +51,12 @@ RESUME_KEYS = (
 
 def before_load(cfg: Config) -> None:
     """Every check of this module, cheapest first; nothing is read but small files."""
+    from ebpo_lite.labels import check_path
+
     output_dir(cfg)
     machine(cfg)
     model_name(cfg.model.name)
+    check_path(cfg)  # a missing data.labels_path: the command that writes it
 
 
 # ----------------------------------------------------------------------------- output_dir
@@ -154,6 +160,17 @@ def machine(cfg: Config) -> None:
             "model.load_in_4bit: needs bitsandbytes (pip install 'ebpo-lite[bnb]'), "
             "or set model.load_in_4bit=false"
         )
+    loggers(cfg)
+
+
+def loggers(cfg: Config) -> None:
+    """`log.wandb` / `log.tensorboard` need their packages (the extras of the same names)."""
+    for key, module in (("wandb", "wandb"), ("tensorboard", "tensorboard")):
+        if getattr(cfg.log, key) and importlib.util.find_spec(module) is None:
+            raise UserError(
+                f'log.{key}: needs the {module} package (pip install "ebpo-lite[{key}]"), '
+                f"or set log.{key}=false"
+            )
 
 
 # ----------------------------------------------------------------------------- model.name

@@ -10,15 +10,20 @@ from ebpo_lite.errors import TrainingFault, UserError
 
 
 def quiet_libraries() -> None:
-    """Our progress display and summaries are the output; silence library chatter."""
+    """Our progress display and summaries are the output; silence library chatter, but keep the
+    hub's download progress bars (a first model download runs for minutes)."""
     import logging
     import warnings
 
+    from huggingface_hub import constants
+    from huggingface_hub.utils import enable_progress_bars
     from transformers.utils import logging as hf_logging
 
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()  # transformers' own bars, and the hub's with them
+    if not constants.HF_HUB_DISABLE_PROGRESS_BARS:  # the user's choice wins
+        enable_progress_bars()  # the hub's download bars back
     warnings.filterwarnings("ignore", category=FutureWarning)
 
 

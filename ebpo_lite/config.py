@@ -56,7 +56,10 @@ class DataConfig:
     answer_field: str | None = None
     topic_field: str | None = None
     difficulty_field: str | None = None
-    labels_path: str | None = None  # per-example topic / pass-rate file (ebpo_lite.difficulty)
+    labels_path: str | None = None  # per-example topic / pass-rate file, or auto (ebpo_lite.labels)
+    data_dir: str | None = (
+        None  # local copies of the presets (default EBPO_LITE_DATA; else the hub)
+    )
     system_prompt: str | None = None  # None: the default "put the final answer in \boxed{}"
     thinking: bool = False  # Qwen3 thinking mode in the chat template
     skip_bad_rows: bool = False
@@ -203,7 +206,15 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
         _apply_override(raw, item)
     cfg = _build(Config, raw, prefix="")
     validate(cfg)
+    # where it came from, for commands printed back to the user (not a field: never dumped)
+    object.__setattr__(cfg, "_origin", (None if path is None else str(path), tuple(overrides)))
     return cfg
+
+
+def origin(cfg: Config) -> tuple[str | None, tuple[str, ...]]:
+    """The recipe path and overrides `load` built `cfg` from; (None, ()) when not known (a
+    config made in code or by `dataclasses.replace`)."""
+    return getattr(cfg, "_origin", (None, ()))
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

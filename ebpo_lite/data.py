@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ebpo_lite.errors import ConfigError
-from ebpo_lite.example import Example
+from ebpo_lite.example import Example, Examples
 from ebpo_lite.prompts import format_prompt
 
 if TYPE_CHECKING:
@@ -200,10 +200,20 @@ def load_train_eval(cfg: DataConfig) -> tuple[list[Example], list[Example]]:
 
         train = mathdata.load_examples(cfg)
         held = mathdata.load_eval_examples(cfg)
+    source = getattr(train, "source", "")
     if cfg.max_examples:
         train = train[: cfg.max_examples]
-    if cfg.labels_path:
+    if cfg.labels_path and cfg.labels_path != "auto":  # auto: made by the run (`labels.py`)
         from ebpo_lite import mathdata
 
         train = mathdata.apply_labels(train, cfg.labels_path)
-    return train, held
+    out = Examples(train)
+    out.source = source
+    return out, held
+
+
+def describe_source(cfg: DataConfig, examples: list[Example]) -> str:
+    """Where the examples came from, for the run's start-up line."""
+    if is_arithmetic(cfg):
+        return "the built-in arithmetic task"
+    return str(getattr(examples, "source", None) or cfg.path or cfg.name)

@@ -27,40 +27,18 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Any
 
 from ebpo_lite import cli
 from ebpo_lite.errors import UserError
+from ebpo_lite.labels import TEMPERATURE, K, check_file, label_prompts, pass_rates
 
-
-def pass_rates(totals: list[float | None], k: int) -> list[tuple[float | None, int, float | None]]:
-    """(pass rate, samples judged, mean reward) per prompt from prompt-major rewards [B * k]."""
-    out = []
-    for s in range(0, len(totals), k):
-        judged = [t for t in totals[s : s + k] if t is not None]
-        if not judged:
-            out.append((None, 0, None))
-            continue
-        rate = sum(min(max(t, 0.0), 1.0) for t in judged) / len(judged)
-        out.append((rate, len(judged), sum(judged) / len(judged)))
-    return out
-
-
-def _check_resume(rows: list[dict[str, Any]], path: Path, k: int, temperature: float) -> None:
-    for r in rows:
-        if r.get("k") != k or r.get("temperature") != temperature:
-            raise UserError(
-                f"{path}: rows computed with k={r.get('k')}, temperature={r.get('temperature')} "
-                f"(asked k={k}, temperature={temperature}); delete it or choose another --out"
-            )
+__all__ = ["label", "main", "pass_rates"]
 
 
 def label(args: argparse.Namespace) -> Path:
-    from tqdm import tqdm
-
     from ebpo_lite import config, data, rewards
-    from ebpo_lite.eval import append_jsonl, load_policy, make_sampler, read_jsonl
-    from ebpo_lite.prompts import prompt_digest
+    from ebpo_lite.eval import load_policy, make_sampler
+    from ebpo_lite.jsonl import read_jsonl
     from ebpo_lite.run import reward_functions
 
     cfg = config.load(args.recipe, args.overrides)
@@ -70,53 +48,22 @@ def label(args: argparse.Namespace) -> Path:
     examples = examples[: args.limit or None]
     out = Path(args.out or Path(cfg.output_dir) / "difficulty.jsonl")
     out.parent.mkdir(parents=True, exist_ok=True)
-    rows = read_jsonl(out)
-    _check_resume(rows, out, args.k, args.temperature)
-    for r in rows:
-        i = r.get("index")
-        if not isinstance(i, int) or i >= len(examples):
-            raise UserError(f"{out}: index {i!r} is not a training example here; other data?")
-        if r.get("prompt_sha1") != prompt_digest(examples[i].prompt):
-            raise UserError(f"{out}: example {i} differs from the file's; labels for other data?")
-    done = {r["index"] for r in rows}
-    todo = [i for i in range(len(examples)) if i not in done]
+    check_file(out, examples, args.k, args.temperature)  # before the model loads
     fns, weights = reward_functions(cfg)
     policy = load_policy(cfg, ckpt=None)
+    max_new = args.max_new_tokens or cfg.rollout.max_new_tokens
     scfg = dataclasses.replace(
-        cfg,
-        rollout=dataclasses.replace(
-            cfg.rollout, temperature=args.temperature, max_new_tokens=args.max_new_tokens or
-            cfg.rollout.max_new_tokens
-        ),
+        cfg, rollout=dataclasses.replace(cfg.rollout, temperature=args.temperature, max_new_tokens=max_new)
     )  # fmt: skip
     sampler, backend = make_sampler(scfg, policy, args.backend)
-    bar = tqdm(total=len(examples), initial=len(done), desc="difficulty", unit="prompt")
+    prompts = [data.encode_prompt(policy.tokenizer, ex, cfg.data) for ex in examples]
     try:
-        for start in range(0, len(examples), args.batch_size):
-            idx = [i for i in todo if start <= i < start + args.batch_size]
-            if not idx:
-                continue
-            exs = [examples[i] for i in idx]
-            prompts = [data.encode_prompt(policy.tokenizer, ex, cfg.data) for ex in exs]
-            seed = (cfg.train.seed * 1_000_003 + 7919 + start) % (2**31)
-            roll = sampler.generate(prompts, args.k, seed=seed)
-            texts = policy.tokenizer.batch_decode(roll.completion_ids, skip_special_tokens=True)
-            columns: dict[str, Any] = {"answer": [ex.answer for ex in exs for _ in range(args.k)]}
-            for key in sorted({key for ex in exs for key in ex.meta}):
-                columns[key] = [ex.meta.get(key) for ex in exs for _ in range(args.k)]
-            totals, _ = rewards.combine_rewards(
-                dict(fns), weights, texts, timeout_s=cfg.reward.timeout_s, **columns
-            )
-            recs = [
-                {"index": i, "prompt_sha1": prompt_digest(ex.prompt), "pass_rate": rate,
-                 "k": args.k, "temperature": args.temperature, "num_scored": n,
-                 "mean_reward": mean}
-                for i, ex, (rate, n, mean) in zip(idx, exs, pass_rates(totals, args.k))
-            ]  # fmt: skip
-            append_jsonl(out, recs)
-            bar.update(len(recs))
+        label_prompts(
+            cfg, examples, prompts, sampler, policy.tokenizer, (fns, weights), out,
+            k=args.k, temperature=args.temperature, max_new_tokens=max_new,
+            batch_size=args.batch_size,
+        )  # fmt: skip
     finally:
-        bar.close()
         sampler.close()
         rewards.close_contained(fns)
     rates = [r["pass_rate"] for r in read_jsonl(out) if r["pass_rate"] is not None]
@@ -136,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("recipe", help="recipe YAML (its model, data and reward are used)")
     p.add_argument("overrides", nargs="*", help="section.key=value")
-    p.add_argument("--k", type=int, default=16, help="samples per prompt (default 16)")
-    p.add_argument("--temperature", type=float, default=1.0, help="default 1.0")
+    p.add_argument("--k", type=int, default=K, help=f"samples per prompt (default {K})")
+    p.add_argument("--temperature", type=float, default=TEMPERATURE, help="default 1.0")
     p.add_argument("--max-new-tokens", type=int, default=0, help="default rollout.max_new_tokens")
     p.add_argument("--out", default=None, help="default OUTPUT_DIR/difficulty.jsonl")
     p.add_argument("--limit", type=int, default=0, help="only the first N training examples")

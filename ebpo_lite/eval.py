@@ -45,6 +45,7 @@ import torch
 from ebpo_lite import cli
 from ebpo_lite.data import encode_prompt
 from ebpo_lite.errors import UserError
+from ebpo_lite.jsonl import append_jsonl, read_jsonl
 from ebpo_lite.rewards.judge import EXTRACTION
 
 if TYPE_CHECKING:
@@ -169,7 +170,7 @@ def benchmark_examples(name: str, dcfg: DataConfig | None = None) -> list[Exampl
         return arithmetic_examples(ARITHMETIC_EVAL_SIZE, seed=seed, split="eval")
     from ebpo_lite import mathdata
 
-    return mathdata.load_benchmark(name)
+    return mathdata.load_benchmark(name, data_dir=dcfg.data_dir if dcfg is not None else None)
 
 
 def score(
@@ -309,34 +310,6 @@ def make_sampler(cfg: Config, policy: Any, backend: str, log: Callable[[str], No
 # ----------------------------------------------------------------------------- CLI: resumable runs
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The complete JSON lines of `path` (a line cut by a crash is dropped from the file)."""
-    if not path.is_file():
-        return []
-    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    rows, good = [], []
-    for n, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            if n == len(lines):  # the last line, cut mid-write: drop it
-                path.write_text("".join(good), encoding="utf-8")
-                break
-            raise UserError(f"{path}:{n}: invalid JSON; delete the file to start over") from None
-        rows.append(row)
-        good.append(line if line.endswith("\n") else line + "\n")
-    return rows
-
-
-def append_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    with path.open("a", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-        f.flush()
-
-
 def _settings(args: argparse.Namespace, cfg: Config, ckpt: Path | None) -> dict[str, Any]:
     return {
         "target": args.target,
@@ -455,11 +428,9 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out or (run_dir / "eval.json" if run_dir else "eval.json"))
     partial = Path(f"{out}.partial.jsonl")
     out.parent.mkdir(parents=True, exist_ok=True)
-    for bench in benches:  # fail on missing data before writing or loading anything
+    for bench in benches:  # missing data fails (or downloads) before anything is written or loaded
         benchmark_examples(bench, cfg.data)
     done = _done_records(partial, _settings(args, cfg, ckpt))
-    for bench in benches:  # fail on a missing benchmark before loading the model
-        benchmark_examples(bench, cfg.data)
     policy = load_policy(cfg, ckpt)
     longest = _longest_prompt(cfg, policy.tokenizer, benches, args.limit)
     top_p = args.top_p if args.temperature > 0 else 1.0

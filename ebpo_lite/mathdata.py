@@ -2,10 +2,15 @@
 
 Sources (`DataConfig`):
 - `data.path`: a local `.json` (one array, or JSON lines), `.jsonl` / `.ndjson` or `.parquet` file.
-- `data.name`: a preset name (gsm8k, math, math500, aime, aime24, aime25, amc23, olympiadbench:
-  read from the shared data folder when present, see `default_data_root`) or a hub dataset id
-  loaded lazily with `datasets.load_dataset(id, split=data.split)`; write `id:config` for a
-  dataset config (`openai/gsm8k` gets `main` by itself).
+- `data.name`: a preset name (gsm8k, math, math500, aime, aime24, aime25, amc23, olympiadbench,
+  dapo_math, deepscaler) or a hub dataset id. A preset is read from the local data folder when
+  one is set up and holds its file (`data.data_dir`, else EBPO_LITE_DATA, else ../shared/data:
+  `local_data_root`), else from its hub id (`presets.HUB`) with `datasets.load_dataset`, which
+  shows its download progress and caches it; `aime` (AIME 1983-2023) is local only. A hub id is
+  loaded with `load_dataset(id, split=data.split)`; write `id:config` for a dataset config
+  (`openai/gsm8k` gets `main` by itself). Offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE, or no
+  connection) and not cached: one line naming the dataset and the settings that point at a
+  local copy. Benchmarks (`load_benchmark`) resolve the same way.
 
 Presets map each public schema to `Example(prompt, answer, topic, difficulty, meta)`:
   gsm8k          question; answer = text after `####` (commas removed)
@@ -39,25 +44,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ebpo_lite.datasource import hub_records, local_data_root
 from ebpo_lite.errors import UserError
 from ebpo_lite.example import Example, Examples
-from ebpo_lite.presets import (
-    BENCHMARKS,
-    EVAL_FOR,
-    HUB_CONFIGS,
-    HUB_IDS,
-    HUB_SPLITS,
-    LOCAL_FILES,
-    PRESETS,
-)
+from ebpo_lite.presets import BENCHMARKS, EVAL_FOR, HUB, HUB_CONFIGS, LOCAL_FILES, PRESETS
 from ebpo_lite.prompts import prompt_digest
-from ebpo_lite.rewards.extract import normalize_gold
+from ebpo_lite.rewards.extract import last_boxed, normalize_gold
 
 if TYPE_CHECKING:
     from ebpo_lite.config import DataConfig
@@ -145,25 +142,6 @@ def read_records(path: str | Path) -> Iterator[tuple[str, Any]]:
         yield from _read_json_lines(text, path)
 
 
-def _hub_records(name: str, split: str) -> Iterator[tuple[str, Any]]:
-    repo, _, config = name.partition(":")
-    config = config or HUB_CONFIGS.get(repo, "")
-    try:
-        import datasets
-    except ImportError:
-        raise UserError(f"data.name: loading {name!r} from the hub needs `datasets`") from None
-    try:
-        ds = datasets.load_dataset(repo, config or None, split=split)
-    except Exception as e:  # offline, unknown id, missing split or config
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise UserError(
-            f"data.name: cannot load hub dataset {name!r} split {split!r} ({type(e).__name__}: "
-            f"{first[:200]}); offline? set data.path to a local json/jsonl/parquet file"
-        ) from None
-    for i, row in enumerate(ds, start=1):
-        yield f"{name}[{split}]:row {i}", row
-
-
 # ----------------------------------------------------------------------------- field helpers
 
 
@@ -214,7 +192,9 @@ def _difficulty(row: dict, key: str) -> float | None:
     value = _get(row, key)
     if value is None:
         return None
-    if isinstance(value, str):  # MATH's "Level 3"
+    if isinstance(value, str):  # MATH's "Level 3"; a few are "Level ?"
+        if re.fullmatch(r"\s*(?:level\s*)?\?\s*", value, flags=re.I):
+            return None
         m = re.fullmatch(r"\s*(?:level\s*)?(-?\d+(?:\.\d+)?)\s*", value, flags=re.I)
         if not m:
             raise _RowError(f"{key}: expected a number or 'Level N', got {value!r}")
@@ -256,13 +236,22 @@ def _gsm8k(row: dict) -> Row:
 
 
 def _math(row: dict) -> Row:
+    """MATH's schemas; rows without `answer` (the hub's MATH-lighteval) take the last `\\boxed{}`
+    of their solution."""
     pk = _first_key(row, ("problem", "question"))
     tk = next((k for k in ("subject", "type") if k in row), None)
     dk = next((k for k in ("level", "difficulty") if k in row), None)
     diff = _difficulty(row, dk) if dk else None
+    if "answer" not in row and "solution" in row:
+        boxed = last_boxed(_text(row, "solution"))
+        if boxed is None:
+            raise _RowError("answer: missing field (and no \\boxed{} in the solution)")
+        answer = _answer({"answer": boxed}, "answer")
+    else:
+        answer = _answer(row, "answer")
     return (
         _text(row, pk),
-        _answer(row, "answer"),
+        answer,
         _topic(row, tk) if tk else None,
         diff if diff else None,
         (pk, "answer", "solution"),
@@ -370,19 +359,8 @@ def guess_preset(source: str, row: dict | None = None) -> str | None:
 
 
 def default_data_root() -> Path | None:
-    """EBPO_LITE_DATA, else the first of ../shared/data beside the cwd or beside the repo."""
-    env = os.environ.get("EBPO_LITE_DATA")
-    if env:
-        return Path(env)
-    repo = Path(__file__).resolve().parents[1]
-    for cand in (
-        Path.cwd().parent / "shared" / "data",
-        repo.parent / "shared" / "data",
-        Path.cwd() / "shared" / "data",
-    ):
-        if cand.is_dir():
-            return cand
-    return None
+    """`local_data_root()`'s folder, without a `data.data_dir`."""
+    return local_data_root()[0]
 
 
 def _local_preset_file(name: str, split: str, root: Path | None) -> Path | None:
@@ -394,20 +372,32 @@ def _local_preset_file(name: str, split: str, root: Path | None) -> Path | None:
 
 
 def _source(cfg: DataConfig) -> tuple[str, Iterator[tuple[str, Any]]]:
-    """(description used for guessing and messages, records)."""
+    """(description used for guessing and messages, records): `data.path`, else the preset's
+    file in the local data folder, else the hub (a preset's known id, or `data.name` as an id)."""
     if cfg.path:
         return cfg.path, read_records(cfg.path)
-    local = _local_preset_file(cfg.name, cfg.split, default_data_root())
+    root, where = local_data_root(cfg.data_dir)
+    local = _local_preset_file(cfg.name, cfg.split, root)
     if local is not None:
         return str(local), read_records(local)
-    if cfg.name in LOCAL_FILES and cfg.name not in HUB_IDS:
+    files = LOCAL_FILES.get(cfg.name, {})
+    rel = files.get(cfg.split) or files.get("*") or ""
+    if cfg.name in LOCAL_FILES and cfg.name not in HUB:
         raise UserError(
-            f"data.name: preset {cfg.name!r} reads shared data, not found (set EBPO_LITE_DATA to "
-            f"the folder holding {', '.join(sorted(set(LOCAL_FILES[cfg.name].values())))}, or "
-            "set data.path)"
+            f"data.name: preset {cfg.name!r} is read from a local data folder only, and "
+            f"{where or 'none is set'} holds no {rel or cfg.split + ' split'}; set EBPO_LITE_DATA "
+            "(or data.data_dir) to a folder holding it, or set data.path"
         )
-    split = HUB_SPLITS.get(cfg.name, cfg.split)
-    return cfg.name, _hub_records(HUB_IDS.get(cfg.name, cfg.name), split)
+    if cfg.name in HUB:
+        repo, config, split = HUB[cfg.name]
+        split = split or cfg.split
+    else:
+        repo, _, config = cfg.name.partition(":")
+        config, split = config or HUB_CONFIGS.get(repo) or None, cfg.split
+    note = f"{where} has no {rel}; loaded {repo} from the hub" if root is not None and rel else ""
+    what = f"data.name: {cfg.name}" if cfg.name in HUB else "data.name"
+    source = f"the hub's {repo}" + (f" ({config}, {split})" if config else f" ({split})")
+    return source, hub_records(what, repo, config, split, rel, note)
 
 
 def _resolve_preset(cfg: DataConfig, source: str, first: Any) -> str:
@@ -510,28 +500,31 @@ def load_eval_examples(cfg: DataConfig) -> list[Example]:
     if bench is None:
         return []
     try:
-        return load_benchmark(bench)
+        return load_benchmark(bench, data_dir=cfg.data_dir)
     except UserError as e:
         log.warning("no held-out examples for %s: %s", cfg.name, e)
         return []
 
 
-def load_benchmark(name: str, data_root: Path | None = None) -> list[Example]:
-    """A benchmark from the shared data folder: math500, aime24, aime25, amc23, olympiadbench,
-    gsm8k (its test split). `data_root` defaults to `default_data_root()`."""
+def load_benchmark(
+    name: str, data_root: Path | None = None, data_dir: str | None = None
+) -> list[Example]:
+    """A benchmark: math500, aime24, aime25, amc23, olympiadbench, gsm8k (its test split), from
+    the local data folder when it holds the file (`data_root`, default `local_data_root(data_dir)`),
+    else from the hub (`presets.HUB`)."""
     if name not in BENCHMARKS:
         raise UserError(f"benchmark {name!r}: unknown (expected one of {', '.join(BENCHMARKS)})")
-    rel, preset = BENCHMARKS[name]
-    root = data_root if data_root is not None else default_data_root()
-    path = root / rel if root is not None else None
-    if path is None or not path.is_file():
-        raise UserError(
-            f"benchmark {name!r}: {path or rel} not found; set EBPO_LITE_DATA to the "
-            "shared data folder (see shared/data/README.md)"
-        )
+    rel, preset, hub_split = BENCHMARKS[name]
     from ebpo_lite.config import DataConfig
 
-    return _load(DataConfig(name=name, preset=preset), str(path), read_records(path))
+    cfg = DataConfig(name=name, preset=preset)
+    root = data_root if data_root is not None else local_data_root(data_dir)[0]
+    path = root / rel if root is not None else None
+    if path is not None and path.is_file():
+        return _load(cfg, str(path), read_records(path))
+    repo, config, _ = HUB[name]
+    records = hub_records(f"benchmark {name}", repo, config, hub_split, rel)
+    return _load(cfg, f"the hub's {repo}", records)
 
 
 # ----------------------------------------------------------------------------- labels

@@ -39,11 +39,7 @@ class Metrics:
         if mode == "auto":
             mode = "bar" if sys.stdout.isatty() else "lines"
         self.mode = mode
-        self.bar = None
-        if mode == "bar":
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
+        self.bar = None  # made at the first step, so that the lines printed before stay clean
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -79,6 +75,12 @@ class Metrics:
             "eval_exp_acc": self.last_eval.get("eval/expected_accuracy"),
         }
         shown = {k: f"{v:.3f}" for k, v in fields.items() if isinstance(v, (int, float))}
+        if self.mode == "bar" and self.bar is None:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(
+                total=self.total, initial=self.start_step, desc="train", dynamic_ncols=True
+            )
         if self.bar is not None:
             self.bar.set_postfix(shown, refresh=False)
             self.bar.update(step - self.bar.n)

@@ -1,5 +1,6 @@
 """The tables behind `data.name` and the benchmarks: preset names, where each preset's files lie
-under the shared data folder, hub ids, and which held-out set goes with which training preset.
+under a local data folder (`data.data_dir` / EBPO_LITE_DATA, laid out as shared/data), where each
+lies on the Hugging Face hub, and which held-out set goes with which training preset.
 
 A leaf module (no imports), so the config, the loaders and the eval can all read it.
 """
@@ -18,20 +19,25 @@ LOCAL_FILES = {
     "amc23": {"*": "amc23/test.jsonl"},
     "olympiadbench": {"*": "olympiadbench/test.jsonl"},
 }
-HUB_IDS = {  # preset name -> hub id (used when the local copy is absent)
-    "gsm8k": "openai/gsm8k:main",
-    "math500": "HuggingFaceH4/MATH-500",
-    "dapo_math": "BytedTsinghua-SIA/DAPO-Math-17k",
-    "deepscaler": "agentica-org/DeepScaleR-Preview-Dataset",
+# data set name -> (hub repo, config, split; None: data.split), read when no local copy is set up
+HUB = {
+    "gsm8k": ("openai/gsm8k", "main", None),
+    "math": ("DigitalLearningGmbH/MATH-lighteval", "default", None),  # answers: solution's box
+    "math500": ("HuggingFaceH4/MATH-500", None, "test"),
+    "aime24": ("HuggingFaceH4/aime_2024", None, "train"),
+    "aime25": ("yentinglin/aime_2025", None, "train"),
+    "amc23": ("math-ai/amc23", None, "test"),
+    "olympiadbench": ("Hothan/OlympiadBench", "OE_TO_maths_en_COMP", "train"),
+    "dapo_math": ("BytedTsinghua-SIA/DAPO-Math-17k", None, None),
+    "deepscaler": ("agentica-org/DeepScaleR-Preview-Dataset", None, None),
 }
-HUB_CONFIGS = {"openai/gsm8k": "main"}
-HUB_SPLITS = {"math500": "test"}  # hub copies that only have a test split
-BENCHMARKS = {  # name -> (file under the data root, preset)
-    "math500": ("math500/test.jsonl", "math500"),
-    "aime24": ("aime24/test.jsonl", "aime"),
-    "aime25": ("aime25/test.jsonl", "aime"),
-    "amc23": ("amc23/test.jsonl", "amc23"),
-    "olympiadbench": ("olympiadbench/test.jsonl", "olympiadbench"),
-    "gsm8k": ("gsm8k/test.jsonl", "gsm8k"),
+HUB_CONFIGS = {"openai/gsm8k": "main"}  # a hub id given as data.name gets its config
+BENCHMARKS = {  # name -> (file under the data root, preset, hub split)
+    "math500": ("math500/test.jsonl", "math500", "test"),
+    "aime24": ("aime24/test.jsonl", "aime", "train"),
+    "aime25": ("aime25/test.jsonl", "aime", "train"),
+    "amc23": ("amc23/test.jsonl", "amc23", "test"),
+    "olympiadbench": ("olympiadbench/test.jsonl", "olympiadbench", "train"),
+    "gsm8k": ("gsm8k/test.jsonl", "gsm8k", "test"),
 }
 EVAL_FOR = {"gsm8k": "gsm8k", "math": "math500", "aime": "aime24"}  # preset -> held-out set

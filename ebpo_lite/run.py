@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from ebpo_lite import checkpoint, checks, config, curriculum, data, faults, loss, rewards
+from ebpo_lite import (
+    checkpoint,
+    checks,
+    config,
+    curriculum,
+    data,
+    faults,
+    labels,
+    loss,
+    rewards,
+    startup,
+)
 from ebpo_lite.advantages import EBPrior, compute_advantages
 from ebpo_lite.errors import ConfigError, UserError
 from ebpo_lite.policy import Policy, completion_logprobs, dropout_in_training
@@ -317,14 +329,18 @@ def load_policy(cfg: config.Config, log=print) -> Policy:
     return Policy.from_config(cfg, log=log)
 
 
-def build_run(cfg: config.Config) -> Run:
+def build_run(cfg: config.Config, log: Callable[[str], None] = print) -> Run:
     """Everything a run holds. The user's mistakes surface first, before any write or model load:
-    the config against the machine and paths (`checks`), the reward functions, the data."""
+    the config against the machine and paths (`checks`), the reward functions, the data. Then it
+    says what it does, one line each: the data, the memory plan, the model (the hub's download
+    progress follows), the sampler, and the labels `data.labels_path=auto` makes."""
     checks.before_load(cfg)
     fns, weights = reward_functions(cfg)
     train_ex, eval_ex = data.load_train_eval(cfg.data)
     if not train_ex:
         raise UserError("data: no training examples; check data.max_examples and the data file")
+    log(startup.data_line(cfg, train_ex, eval_ex))
+    train_ex = labels.maybe_topic_labels(cfg, train_ex, log)
     out = _prepare_output_dir(cfg)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -332,35 +348,27 @@ def build_run(cfg: config.Config) -> Run:
     from ebpo_lite.plan import preflight
 
     preflight(cfg)  # on a GPU: refuse a plan that cannot fit before the model loads (CPU: no-op)
+    log(startup.memory_line(cfg))
+    log(startup.model_line(cfg))
     policy = load_policy(cfg)
     prompt_ids = data.encode_prompts(policy.tokenizer, train_ex, cfg.data)
+    backend = make_backend(cfg, policy)
+    log(startup.sampler_line(cfg))
+    labelled = labels.maybe_difficulty_labels(
+        cfg, train_ex, prompt_ids, policy, backend, (fns, weights), log
+    )
     prompt_sampler = curriculum.make_sampler(
         cfg.curriculum.sampler,
         len(train_ex),
         cfg.train.seed,
-        topics=[ex.topic for ex in train_ex],
-        difficulties=[ex.difficulty for ex in train_ex],
+        topics=[ex.topic for ex in labelled],
+        difficulties=[ex.difficulty for ex in labelled],
         difficulty_is_pass_rate=False,  # levels, and labels files store 1 - pass_rate
         topic_order=cfg.curriculum.topic_order,
         run_length=cfg.curriculum.run_length,
         repeat=cfg.curriculum.repeat,
     )
-    a = cfg.algo
-    prior = (
-        EBPrior(
-            tau2=a.tau2,
-            sigma2=a.sigma2,
-            center=a.center,
-            decay=a.decay,
-            min_count=a.min_count,
-            tau2_min=a.tau2_min,
-            leave_one_out=a.leave_one_out,
-            prompt_prior=a.prompt_prior,
-            prompt_capacity=a.prompt_capacity,
-        )
-        if a.estimator == "ebpo"
-        else None
-    )
+    prior = _prior(cfg.algo)
     optimizer = torch.optim.AdamW(
         policy.trainable_parameters(),
         lr=cfg.train.lr,
@@ -368,14 +376,13 @@ def build_run(cfg: config.Config) -> Run:
         weight_decay=cfg.train.weight_decay,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(cfg.train))
-    backend = make_backend(cfg, policy)
     if not (out / "config.yaml").exists() or not cfg.train.resume:
         (out / "config.yaml").write_text(config.dump(cfg))
     return Run(
         cfg,
         policy,
         backend,
-        train_ex,
+        labelled,
         eval_ex,
         prompt_ids,
         fns,
@@ -384,6 +391,22 @@ def build_run(cfg: config.Config) -> Run:
         prior,
         optimizer,
         scheduler,
+    )
+
+
+def _prior(a: config.AlgoConfig) -> EBPrior | None:
+    if a.estimator != "ebpo":
+        return None
+    return EBPrior(
+        tau2=a.tau2,
+        sigma2=a.sigma2,
+        center=a.center,
+        decay=a.decay,
+        min_count=a.min_count,
+        tau2_min=a.tau2_min,
+        leave_one_out=a.leave_one_out,
+        prompt_prior=a.prompt_prior,
+        prompt_capacity=a.prompt_capacity,
     )
 
 

@@ -131,13 +131,29 @@ def cluster_topics(texts: list[str], k: int, seed: int = 0) -> list[str]:
 
 def label(args: argparse.Namespace) -> Path:
     from ebpo_lite import config, data
-    from ebpo_lite.prompts import prompt_digest
 
     cfg = config.load(args.recipe, args.overrides)
     examples, _ = data.load_train_eval(dataclasses.replace(cfg.data, labels_path=None))
     examples = examples[: args.limit or None]
+    topics, method = topic_labels(examples, args.method, args.k, args.seed)
+    out = Path(args.out or Path(cfg.output_dir) / "topics.jsonl")
+    write_labels(out, examples, topics)
+    counts = Counter(topics)
+    print(f"{out}: {len(examples)} examples, {len(counts)} topics ({method})")
+    for t, c in counts.most_common():
+        sample = next(ex.prompt for ex, tt in zip(examples, topics) if tt == t)
+        print(f"  {t:<24}{c:>7}  e.g. {' '.join(sample.split())[:70]}")
+    print(f"use it with: data.labels_path={out}")
+    return out
+
+
+def topic_labels(
+    examples: list, method: str = "auto", k: int = 9, seed: int = 0
+) -> tuple[list[str], str]:
+    """(a topic per example, the method used): `field` when every example has a topic (or
+    `method` says so), else `embed` (k-means of embeddings). Shared by `python -m
+    ebpo_lite.topics` and `data.labels_path=auto` (`ebpo_lite.labels`)."""
     missing = sum(ex.topic is None for ex in examples)
-    method = args.method
     if method == "auto":
         method = "field" if missing == 0 else "embed"
     if method == "field" and missing:
@@ -146,12 +162,16 @@ def label(args: argparse.Namespace) -> Path:
             "no topic field; set data.topic_field, or use --method embed)"
         )
     if method == "field":
-        topics = [str(ex.topic) for ex in examples]
-    else:
-        if not 1 <= args.k <= len(examples):
-            raise UserError(f"--k: need 1 <= k <= {len(examples)} examples, got {args.k}")
-        topics = cluster_topics([ex.prompt for ex in examples], args.k, args.seed)
-    out = Path(args.out or Path(cfg.output_dir) / "topics.jsonl")
+        return [str(ex.topic) for ex in examples], method
+    if not 1 <= k <= len(examples):
+        raise UserError(f"--k: need 1 <= k <= {len(examples)} examples, got {k}")
+    return cluster_topics([ex.prompt for ex in examples], k, seed), method
+
+
+def write_labels(out: Path, examples: list, topics: list[str]) -> None:
+    """The labels file (`mathdata.apply_labels`' format), written atomically."""
+    from ebpo_lite.prompts import prompt_digest
+
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     with tmp.open("w", encoding="utf-8") as f:
@@ -159,13 +179,6 @@ def label(args: argparse.Namespace) -> Path:
             f.write(json.dumps({"index": i, "prompt_sha1": prompt_digest(ex.prompt), "topic": t}))
             f.write("\n")
     tmp.replace(out)
-    counts = Counter(topics)
-    print(f"{out}: {len(examples)} examples, {len(counts)} topics ({method})")
-    for t, c in counts.most_common():
-        sample = next(ex.prompt for ex, tt in zip(examples, topics) if tt == t)
-        print(f"  {t:<24}{c:>7}  e.g. {' '.join(sample.split())[:70]}")
-    print(f"use it with: data.labels_path={out}")
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

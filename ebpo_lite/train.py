@@ -106,6 +106,10 @@ def train(cfg: config.Config) -> dict[str, Any]:
         first_eval = evaluate_policy(run)
         eval_s += first_eval.get("time/eval_s", 0.0)
         metrics.log(0, first_eval)
+        if first_eval:
+            print(f"eval before step 1: {eval_words(first_eval)}", flush=True)
+    last_eval_step = 0
+    print(f"training: steps {start + 1}-{cfg.train.steps} into {out}", flush=True)
     step, steps_here = start, 0
     try:
         while step < cfg.train.steps:
@@ -121,14 +125,14 @@ def train(cfg: config.Config) -> dict[str, Any]:
             except faults.NonFinite as fault:  # nothing of the step was applied
                 record = skips.skip(step, fault.reason)
             metrics.log(step, record)
-            metrics.progress(step, record)
             skips.maybe_stop(step)  # too many in a row: TrainingFault, no checkpoint
             steps_here += 1
             final = step == cfg.train.steps
             if (cfg.eval.every and step % cfg.eval.every == 0) or final:
-                last_eval = evaluate_policy(run)
+                last_eval, last_eval_step = evaluate_policy(run), step
                 eval_s += last_eval.get("time/eval_s", 0.0)
                 metrics.log(step, last_eval)
+            metrics.progress(step, record)  # after this step's eval: the line shows it
             interrupted = stop.raised or (
                 cfg.train.stop_after and steps_here >= cfg.train.stop_after
             )
@@ -155,26 +159,41 @@ def train(cfg: config.Config) -> dict[str, Any]:
         run.backend.close()
         rewards.close_contained(run.reward_fns)
     seconds = time.perf_counter() - t_start
-    summary = _summary(cfg, run, first_eval, last_eval, step, seconds, eval_s)
+    summary = _summary(cfg, run, first_eval, last_eval, step, seconds, eval_s, last_eval_step)
     return summary
 
 
-def _summary(cfg, run, first_eval, last_eval, step, seconds, eval_s) -> dict[str, Any]:
+def eval_words(ev: dict[str, Any]) -> str:
+    """An eval's headline numbers in one line."""
+    keys = ("eval/accuracy", "eval/expected_accuracy", "eval/mean/pass@1")
+    shown = [f"{k.split('/', 1)[1]} {ev[k]:.3f}" for k in keys if isinstance(ev.get(k), float)]
+    shown += [
+        f"{k.split('/')[1]} pass@1 {v:.3f}"
+        for k, v in ev.items()
+        if k.endswith("/pass@1") and k != "eval/mean/pass@1"
+    ]
+    return ", ".join(shown) or "no eval metrics"
+
+
+def _summary(cfg, run, first_eval, last_eval, step, seconds, eval_s, eval_step) -> dict[str, Any]:
+    """The run's summary: printed, and written to `summary.json`. "after" is the last eval of
+    this invocation: the final one, unless the run stopped early (then its step is named)."""
     summary: dict[str, Any] = {
         "steps_done": step,
         "seconds": round(seconds, 1),
         "eval_seconds": round(eval_s, 1),
         "output_dir": str(cfg.output_dir),
+        "after_step": eval_step if last_eval else None,
     }
     for name, ev in (("before", first_eval), ("after", last_eval)):
         if ev:
             summary.update({f"{name}/{k.split('/', 1)[1]}": v for k, v in ev.items()})
     ckpt = checkpoint.latest(cfg.output_dir)
     summary["checkpoint"] = str(ckpt) if ckpt else None
-    lines = [
-        f"done: {step} steps in {seconds:.0f}s (eval {eval_s:.0f}s)",
-        *learned_lines(first_eval, last_eval),
-    ]
+    lines = [f"done: {step} steps in {seconds:.0f}s (eval {eval_s:.0f}s)"]
+    if last_eval and eval_step != step:
+        lines.append(f"(the last eval ran after step {eval_step}; the run stopped at step {step})")
+    lines += learned_lines(first_eval, last_eval)
     lines.append(
         f"run: {cfg.output_dir} (metrics.jsonl, checkpoints/{Path(summary['checkpoint']).name if ckpt else ''})"
     )

@@ -94,10 +94,14 @@ def test_auto_preset_from_path_and_from_fields(tmp_path):
     assert [e.answer for e in ex] == [r["answer"].split("####")[-1].strip() for r in rows]
 
 
-def test_unknown_benchmark_and_missing_root(tmp_path):
+def test_unknown_benchmark_and_missing_root(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="unknown"):
         mathdata.load_benchmark("mmlu")
-    with pytest.raises(UserError, match="EBPO_LITE_DATA"):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # not in the folder: the hub, here switched off
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    for module in ("huggingface_hub.constants", "datasets.config"):
+        monkeypatch.setattr(f"{module}.HF_HUB_OFFLINE", True)
+    with pytest.raises(UserError, match="HuggingFaceH4/MATH-500.*EBPO_LITE_DATA"):
         mathdata.load_benchmark("math500", data_root=tmp_path)
 
 
@@ -220,8 +224,8 @@ def test_hub_offline_is_a_user_error():
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
-    assert "USERERROR data.name: cannot load hub dataset 'someone/some-math-set'" in out.stdout
-    assert "data.path" in out.stdout
+    assert "USERERROR data.name: the hub dataset someone/some-math-set is not in" in out.stdout
+    assert "set data.path" in out.stdout
 
 
 # ----------------------------------------------------------------------------- labels

@@ -87,6 +87,14 @@ def _no_shared_data(tmp: Path, mp: pytest.MonkeyPatch) -> None:
     mp.setenv("EBPO_LITE_DATA", str(tmp / "nodata"))
 
 
+def _both(*setups: Callable[[Path, pytest.MonkeyPatch], None]):
+    def setup(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+        for s in setups:
+            s(tmp, mp)
+
+    return setup
+
+
 def _run_with_checkpoints(*recorded: str) -> Callable[[Path, pytest.MonkeyPatch], None]:
     """`{tmp}/run` as another run left it: config.yaml (with `recorded` overrides), metrics and a
     complete-looking checkpoint `step_3`."""
@@ -174,9 +182,13 @@ MISTAKES = [
     Mistake("data_all_answers_null", (R, "data.path={tmp}/d.jsonl"), "d.jsonl: no usable examples", "data.answer_field", _jsonl("d.jsonl", '{"problem": "1+1?", "answer": null}')),
     Mistake("data_schema_unknown", (R, "data.path={tmp}/d.jsonl"), "d.jsonl: cannot guess the schema", "set data.preset", _jsonl("d.jsonl", '{"q": "1+1?", "a": "2"}')),
     Mistake("data_generic_field_missing", (R, "data.path={tmp}/d.jsonl", "data.prompt_field=text", "data.answer_field=gold"), "d.jsonl:1: text: missing field", "fix the row", _jsonl("d.jsonl", '{"problem": "1+1?", "answer": "2"}')),
-    Mistake("labels_missing", (R, "data.labels_path={tmp}/labels.jsonl"), "data.labels_path", "ebpo_lite.difficulty", None),
-    Mistake("preset_without_shared_data", (R, "data.name=math"), "data.name", "set EBPO_LITE_DATA", _no_shared_data),
+    Mistake("labels_missing", (R, "data.labels_path={tmp}/labels.jsonl"), "data.labels_path", f"python -m ebpo_lite.difficulty {R} --out {{tmp}}/labels.jsonl", None),
+    Mistake("labels_missing_topic", (R, "curriculum.sampler=topic", "data.labels_path={tmp}/t.jsonl"), "data.labels_path", f"python -m ebpo_lite.topics {R} curriculum.sampler=topic --out {{tmp}}/t.jsonl", None),
+    Mistake("preset_without_shared_data", (R, "data.name=aime"), "data.name", "set EBPO_LITE_DATA", _no_shared_data),
+    Mistake("preset_offline_without_local_copy", (R, "data.name=gsm8k"), "openai/gsm8k", "folder holding gsm8k/train.jsonl", _both(_no_shared_data, _offline)),
     Mistake("hub_dataset_offline", (R, "data.name=nobody/no-such-dataset"), "data.name", "set data.path", _offline),
+    Mistake("wandb_not_installed", (R, "log.wandb=true"), "log.wandb", 'pip install "ebpo-lite[wandb]"', _hide("wandb")),
+    Mistake("tensorboard_not_installed", (R, "log.tensorboard=true"), "log.tensorboard", 'pip install "ebpo-lite[tensorboard]"', _hide("tensorboard")),
     # model names and paths
     Mistake("model_path_missing", (R, "model.name=/nonexistent/model"), "/nonexistent/model: no such folder", "a hub id such as"),
     Mistake("model_folder_without_config", (R, "model.name={tmp}/weights"), "has no config.json", "folder save_pretrained wrote", _write("weights/model.safetensors", "x")),
@@ -250,10 +262,11 @@ def test_mistake_is_one_line_exit_2_and_leaves_no_trace(m, capsys, monkeypatch, 
     lines = err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     line, culprit = lines[0], m.culprit.replace("{tmp}", str(tmp_path))
+    advice = m.advice.replace("{tmp}", str(tmp_path))
     assert "Traceback" not in err
     assert culprit in line, line
-    assert m.advice in line, line
-    assert len(line) > len("error: ") + len(culprit) + len(m.advice), line  # says more than both
+    assert advice in line, line
+    assert len(line) > len("error: ") + len(culprit) + len(advice), line  # says more than both
     assert _tree(tmp_path) == before  # no folder made, no checkpoint of another run touched
     assert [_stat_tree(REPO / d) for d in ("recipes", "runs")] == repo_before
 
