@@ -1,8 +1,10 @@
 """Checkpoints: everything a run needs to continue exactly, written atomically.
 
 `<output_dir>/checkpoints/step_<N>/` holds
-- `adapter_model.safetensors` + `adapter_config.json`: the LoRA adapter in peft's format
-  (`PeftModel.from_pretrained(base, path)` loads it);
+- `adapter_model.safetensors` + `adapter_config.json`: the LoRA adapter in peft's format, with
+  any extra trained base tensors (`model.trainable_extra`, e.g. norms) as peft `modules_to_save`,
+  so `PeftModel.from_pretrained(base, path)` loads the trained model (`policy.add_extra_weights`;
+  `python -m ebpo_lite.export` makes the shareable folder);
 - `trainable.safetensors`: every trainable tensor by its exact name (LoRA and any extra base
   tensors such as norms), used for exact resume;
 - `trainer_state.pt`: optimizer, LR scheduler, RNG states (python, numpy, torch CPU / CUDA), step;
@@ -103,7 +105,7 @@ def save(
 
 def _write(tmp: Path, step, policy, optimizer, scheduler, prior, sampler, extra) -> None:
     """Every file of one checkpoint into `tmp`, each flushed to disk before the rename."""
-    policy.export_adapter(tmp)
+    policy.export_adapter(tmp, with_extra=True)
     save_file(
         {k: v.contiguous() for k, v in policy.trainable_state().items()},
         tmp / "trainable.safetensors",

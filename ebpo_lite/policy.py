@@ -4,6 +4,8 @@
 - Optional extra trainable base parameters (`model.trainable_extra`, e.g. norm weights) make
   `trains_base` true; `export_base` then writes the base with those tensors updated, copied from
   the original checkpoint files, so a sampler can reload exactly what the trainer holds.
+  Checkpoints and `ebpo_lite.export` save them inside the adapter as peft `modules_to_save`
+  (`add_extra_weights`), so `PeftModel.from_pretrained(base, folder)` is the trained model.
 - The reference policy for the KL term is this same model with the adapter disabled: no second copy.
 
 Batch layout used by the log-prob functions: prompts are left-padded to width P and completions
@@ -315,10 +317,25 @@ class Policy:
         self.model.train(was_training)
         return out
 
-    def export_adapter(self, out_dir: str | Path) -> Path:
-        """Write the LoRA adapter alone in peft's format (adapter_model.safetensors)."""
+    def export_adapter(self, out_dir: str | Path, with_extra: bool = False) -> Path:
+        """Write the LoRA adapter in peft's format (adapter_model.safetensors).
+
+        `with_extra`: also the trained non-LoRA tensors (`model.trainable_extra`, e.g. norms) as
+        peft `modules_to_save` (`add_extra_weights`), so that `PeftModel.from_pretrained(base,
+        out_dir)` is the trained model. Without it (the samplers' copy) the folder holds LoRA
+        alone: vLLM's LoRA loader refuses any other tensor, and the vLLM sampler reloads the
+        trained base tensors itself (`export_base`).
+        """
         out = Path(out_dir)
         self.model.save_pretrained(out, safe_serialization=True)
+        if with_extra and self.trains_base:
+            extra = {
+                n: p.detach().cpu()
+                for n, p in self.model.named_parameters()
+                if p.requires_grad and "lora_" not in n
+            }
+            if not unsaveable_extra(extra):
+                add_extra_weights(out, extra)
         return out
 
     def export_base(self, out_dir: str | Path) -> Path:
@@ -342,6 +359,50 @@ class Policy:
             elif f.is_file() and f.suffix in (".json", ".txt", ".model", ".jinja"):
                 shutil.copy2(f, out / f.name)
         return out
+
+
+def unsaveable_extra(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The trained non-LoRA tensors (peft names) that peft's `modules_to_save` cannot hold: those
+    inside a LoRA-wrapped layer (`.base_layer.`), which only a merge can carry."""
+    return [n for n in tensors if "lora_" not in n and ".base_layer." in n]
+
+
+def add_extra_weights(adapter_dir: str | Path, tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Add trained non-LoRA tensors to a peft adapter folder as `modules_to_save`; returns the
+    module names.
+
+    `tensors` maps peft parameter names (`base_model.model.<module>.<param>`, as in
+    `trainable_state`) to values; LoRA tensors among them are ignored. peft 0.21 loads a
+    `modules_to_save` entry by wrapping every module whose name ends with it in a
+    `ModulesToSaveWrapper` (a copy of the base module) and filling the copy from the adapter
+    file's `base_model.model.<module>.<param>` tensors, the names written here; parameters of
+    such a module that are absent keep the base's values. Full module names, so that
+    `model.layers.1.input_layernorm` never matches layer 11's.
+    """
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    extra = {n: v for n, v in tensors.items() if "lora_" not in n}
+    if not extra:
+        return []
+    if bad := unsaveable_extra(extra):
+        raise UserError(
+            f"model.trainable_extra: {bad[0]} is inside a LoRA layer; a peft adapter cannot "
+            "hold it (export a merged model instead)"
+        )
+    out = Path(adapter_dir)
+    weights = load_file(out / "adapter_model.safetensors")
+    weights.update({n: v.detach().cpu().contiguous() for n, v in extra.items()})
+    save_file(weights, out / "adapter_model.safetensors", metadata={"format": "pt"})
+    modules = sorted({n.removeprefix("base_model.model.").rsplit(".", 1)[0] for n in extra})
+    cfg_path = out / "adapter_config.json"
+    adapter_cfg = json.loads(cfg_path.read_text())
+    adapter_cfg["modules_to_save"] = sorted(
+        set(adapter_cfg.get("modules_to_save") or []) | set(modules)
+    )
+    cfg_path.write_text(json.dumps(adapter_cfg, indent=2, sort_keys=True) + "\n")
+    return modules
 
 
 def _hf_name(peft_name: str) -> str:
