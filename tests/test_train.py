@@ -218,23 +218,6 @@ def test_readme_main_command_learns(tmp_path):
     assert {"after/accuracy/topic=mul", "after/expected_accuracy/difficulty=3"} <= summary.keys()
 
 
-@pytest.mark.slow
-def test_notebook_runs(tmp_path):
-    """The quickstart notebook is a thin client: it must execute top to bottom."""
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
-    nb = nbformat.read(REPO / "notebooks" / "quickstart.ipynb", as_version=4)
-    os.environ.update(EBPO_NOTEBOOK_STEPS="3", EBPO_NOTEBOOK_OUT=str(tmp_path / "nb"))
-    try:
-        nbclient.NotebookClient(
-            nb, timeout=600, resources={"metadata": {"path": str(REPO)}}
-        ).execute()
-    finally:
-        for k in ("EBPO_NOTEBOOK_STEPS", "EBPO_NOTEBOOK_OUT"):
-            os.environ.pop(k, None)
-    assert (tmp_path / "nb" / "curves.png").is_file()
-
-
 def test_micro_batching_equals_one_batch(tmp_path):
     """Gradient accumulation over micro-batches gives the same update as one full batch."""
     outs = {}
