@@ -83,12 +83,22 @@ def completion_logits(model, batch: Batch) -> torch.Tensor:
     """Logits at the completion positions, in the model's dtype: [N, C + 1, V].
 
     Position P-1+t predicts completion token t; the last row predicts the token after the batch.
+    On CPU the kept positions are passed as an index tensor, which gathers them into a
+    contiguous [N, C + 1, h]: the last-k slice an integer asks for is a non-contiguous view, and
+    CPU `F.linear` on such a view materialises the lm_head weight once per sequence (N x V x h,
+    0.6 GiB at N = 2 for Qwen3's V and h = 1024; benchmarks/plan_vs_measured.py). CUDA keeps the
+    integer, the form every backend (Unsloth's patched forward too) accepts; cuBLAS's batched
+    matmul should read a broadcast weight in place, which scripts/gpu_smoke.py has yet to measure.
     """
+    keep = batch.completion_mask.shape[1] + 1
+    if batch.input_ids.device.type == "cpu":
+        width = batch.input_ids.shape[1]
+        keep = torch.arange(width - keep, width)  # [C + 1]
     out = model(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
         position_ids=batch.position_ids,
-        logits_to_keep=batch.completion_mask.shape[1] + 1,
+        logits_to_keep=keep,
         use_cache=False,
     )
     return out.logits
