@@ -62,3 +62,36 @@ def test_a_planner_term_off_by_2x_is_caught(measured, monkeypatch, module, name)
     monkeypatch.setattr(mod, name, lambda *a, **k: 2 * original(*a, **k))
     rows = pvm.compare(m, pvm.planned(SHAPE, folder))
     assert not pvm.within_tolerance(rows)
+
+
+def test_cpu_completion_logits_never_copy_the_lm_head_weight():
+    """N = 4 sequences at V = 32,000, h = 256: a copy of the lm_head weight per sequence would
+    be 4 x 16 MiB (measured 63 MiB with the integer `logits_to_keep`); the logits themselves
+    are 4 x 17 x V x 2 B = 4.2 MiB."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from ebpo_lite.policy import completion_logits, make_batch
+
+    spec = dict(vocab_size=32_000, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=64)  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**spec, attn_implementation="sdpa")).to(torch.bfloat16)
+    # LoRA, as in training (the bare model's last hidden states happen to be laid out
+    # position-major, where the slice is one contiguous block; peft's are not)
+    model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear"))
+    gen = torch.Generator().manual_seed(0)
+    ids = [torch.randint(4, 32_000, (n,), generator=gen).tolist() for n in (8, 6, 16, 12)]
+    batch = make_batch([ids[0], ids[1], ids[0], ids[1]], [ids[2], ids[3], ids[3], ids[2]], 0)
+    with torch.no_grad():
+        logits, _, peak = pvm.allocator_bytes(lambda: completion_logits(model, batch))
+        sliced = model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            logits_to_keep=17,
+        ).logits  # [4, 17, V]: the integer form
+    assert logits.shape == (4, 17, 32_000)
+    torch.testing.assert_close(logits, sliced, rtol=0, atol=0.05)
+    assert peak < 12 * 2**20, peak / 2**20  # one weight copy per sequence: > 64 MiB
