@@ -50,6 +50,14 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # runs from a checkout: ebpo_lite need not be installed
+    sys.path.insert(0, str(REPO))
+OFFLINE_ENV = {  # no internet on the GPU machine: fail fast instead of waiting on the network
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
 RECIPE = REPO / "recipes" / "tiny_cpu.yaml"
 VARIANTS = ("hf_16bit", "hf_nf4", "vllm_16bit", "vllm_nf4", "unsloth")
 BUDGET_S = 450  # the whole run, wheels included: under 8 minutes with room to write the result
@@ -375,7 +383,7 @@ def run_variant(v: str, tmp: Path, args, dtype: str, model: str, timeout: float)
         "--",
         *child_argv,
     ]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = child_env()
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(
@@ -391,6 +399,15 @@ def run_variant(v: str, tmp: Path, args, dtype: str, model: str, timeout: float)
         entry["returncode"] = rc
         entry["log_tail"] = log[-4000:] if isinstance(log, str) else str(log)[-4000:]
     return entry
+
+
+def child_env() -> dict[str, str]:
+    """A variant's environment: offline settings (unless already set), this checkout first on
+    PYTHONPATH (then any --wheels-target), unbuffered output."""
+    path = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**OFFLINE_ENV, **os.environ, "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(path))
+    return env
 
 
 def _text(b) -> str:

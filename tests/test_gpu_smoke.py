@@ -199,3 +199,14 @@ def test_refuses_without_cuda_even_with_wheels(wheels, tmp_path, capsys):
     assert rc == 2
     assert not (tmp_path / "site").exists() and not list(tmp_path.glob("gpu_smoke_*.json"))
     assert "no CUDA device visible" in capsys.readouterr().err
+
+
+def test_a_variant_child_imports_this_checkout_offline(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    env = gpu_smoke.child_env()
+    assert env["HF_HUB_OFFLINE"] == "1" and env["PYTHONPATH"].split(os.pathsep)[0] == str(REPO)
+    proc = subprocess.run(
+        [sys.executable, "-c", "import ebpo_lite; print(ebpo_lite.__file__)"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60,
+    )  # fmt: skip
+    assert proc.stdout.strip() == str(REPO / "ebpo_lite" / "__init__.py")
