@@ -32,19 +32,9 @@ The per-model arithmetic (weights, NF4, LoRA, activations, logits, KV cache) is 
 named GPU, which decides `fits`. `eval_chunk_prompts`: prompts per transformers `generate` call in
 the held-out eval (eval.k samples each) that fit beside the trainer (`eval_sequence_bytes`; at run
 time `eval_chunk_size` sizes it from the memory free then; on CPU a fixed EVAL_CHUNK_CPU). Not counted: the KL reference forward (no grad, below the
-training peak), data, Python objects.
-
-Measured and GPU-only: benchmarks/plan_vs_measured.py measures the trainer's components with
-torch's allocator on CPU for three Qwen3 shapes (2-16 layers, hidden 512-1024, vocabularies
-128-152k) and tests/test_plan_measured.py repeats it on a small one; the NF4 / bf16 weights,
-LoRA parameters, gradients, AdamW state and the micro-batch peak with and without
-checkpointing are within 20 % of this plan (results/plan_vs_measured.md). A micro-batch's peak
-is `memory.microbatch_bytes` (`activations_*_gb` + `logits_gb`): with checkpointing the
-recomputed layer and the logits' buffers are never alive together. What a CPU cannot measure
-stays an assumption, to be checked on a GPU with scripts/gpu_smoke.py (docs/gpu_check.md),
-which records measured peaks next to these numbers: CUDA_CONTEXT_GIB, FRAGMENTATION (the
-caching allocator's slack), VLLM_OVERHEAD_GIB, VLLM_CUDA_GRAPHS_GIB, VLLM_SLEEP_RESIDUAL_GIB,
-and vLLM's KV cache within its gpu_memory_utilization reservation.
+training peak), data, Python objects. The trainer's components are measured on CPU
+(results/plan_vs_measured.md: within 20 % of torch's allocator); GPU-only assumptions, for
+scripts/gpu_smoke.py (docs/gpu_check.md): CUDA_CONTEXT_GIB, FRAGMENTATION, VLLM_*, KV cache.
 """
 
 from __future__ import annotations
@@ -235,12 +225,8 @@ def _components(cfg: Any, arch: Arch) -> dict[str, Any]:
 
 def _dynamic(cfg: Any, c: dict[str, Any], micro_batch: int, checkpointing: bool) -> float:
     """Activations + logits of one micro-batch at their peak, GiB (`memory.microbatch_bytes`)."""
-    rows = micro_batch * c["logit_rows"]
-    peak = microbatch_bytes(
-        c["arch"], c["a"], cfg.model.lora_rank, c["targets"], micro_batch, c["seq"], rows,
-        checkpointing, c["attn"],
-    )  # fmt: skip
-    return peak / GIB
+    shape = (c["targets"], micro_batch, c["seq"], micro_batch * c["logit_rows"], checkpointing)
+    return microbatch_bytes(c["arch"], c["a"], cfg.model.lora_rank, *shape, c["attn"]) / GIB
 
 
 def _best_micro_batch(
