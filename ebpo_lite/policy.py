@@ -87,8 +87,8 @@ def completion_logits(model, batch: Batch) -> torch.Tensor:
     contiguous [N, C + 1, h]: the last-k slice an integer asks for is a non-contiguous view, and
     CPU `F.linear` on such a view materialises the lm_head weight once per sequence (N x V x h,
     0.6 GiB at N = 2 for Qwen3's V and h = 1024; benchmarks/plan_vs_measured.py). CUDA keeps the
-    integer, the form every backend (Unsloth's patched forward too) accepts; cuBLAS's batched
-    matmul should read a broadcast weight in place, which scripts/gpu_smoke.py has yet to measure.
+    integer, the form the GPU-only backends (Unsloth's patched forward) were written against;
+    whether CUDA's batched matmul copies the weight too is not measured yet (docs/gpu_check.md).
     """
     keep = batch.completion_mask.shape[1] + 1
     if batch.input_ids.device.type == "cpu":
