@@ -292,6 +292,34 @@ def activation_bytes(
     return arch.num_hidden_layers * one_layer + head
 
 
+def microbatch_bytes(
+    arch: Arch,
+    a: int,
+    rank: int,
+    targets: tuple[str, ...],
+    micro_batch: int,
+    seq: int,
+    logit_positions: int,
+    checkpointing: bool,
+    attn: str,
+) -> int:
+    """Peak bytes of one training micro-batch: activations + logits at the moment they peak.
+
+    Without checkpointing every layer's saved tensors are alive while the logits' buffers are
+    (the log-prob backward runs first): their sum. With checkpointing the layer inputs and the
+    final norm stay throughout, but the one layer being recomputed exists only during its own
+    backward, after the logits' backward has freed its buffers: inputs + head + the larger of
+    the two (benchmarks/plan_vs_measured.py measured the sum 22 % above the allocator's peak).
+    """
+    act = activation_bytes(arch, a, rank, targets, micro_batch, seq, checkpointing, attn)
+    logits = logits_bytes(arch, logit_positions, a)
+    if not checkpointing:
+        return act + logits
+    tokens = micro_batch * seq
+    kept = tokens * (arch.num_hidden_layers * a * arch.hidden_size + 4 * arch.hidden_size + 4)
+    return kept + max(act - kept, logits)  # act - kept: the recomputed layer
+
+
 def logprob_chunk_rows(vocab_size: int) -> int:
     """Rows per chunk of `policy.completion_logprobs`: one fp32 [rows, V] in LOGPROB_CHUNK_BYTES."""
     return max(1, LOGPROB_CHUNK_BYTES // (4 * vocab_size))

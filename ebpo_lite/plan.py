@@ -32,8 +32,9 @@ The per-model arithmetic (weights, NF4, LoRA, activations, logits, KV cache) is 
 named GPU, which decides `fits`. `eval_chunk_prompts`: prompts per transformers `generate` call in
 the held-out eval (eval.k samples each) that fit beside the trainer (`eval_sequence_bytes`; at run
 time `eval_chunk_size` sizes it from the memory free then; on CPU a fixed EVAL_CHUNK_CPU). Not counted: the KL reference forward (no grad, below the
-training peak), data, Python objects. The constants are estimates: calibrate them with
-scripts/gpu_smoke.py, which records measured peaks next to these numbers.
+training peak), data, Python objects. The trainer's components are measured on CPU
+(results/plan_vs_measured.md: within 20 % of torch's allocator); GPU-only assumptions, for
+scripts/gpu_smoke.py (docs/gpu_check.md): CUDA_CONTEXT_GIB, FRAGMENTATION, VLLM_*, KV cache.
 """
 
 from __future__ import annotations
@@ -54,7 +55,6 @@ from ebpo_lite.memory import (
     LOGPROB_CHUNK_BYTES,
     LOGPROB_CHUNK_COPIES,
     Arch,
-    activation_bytes,
     arch_for,
     arch_from_config,
     base_weight_bytes,
@@ -64,6 +64,7 @@ from ebpo_lite.memory import (
     logits_bytes,
     lora_param_count,
     lora_targets,
+    microbatch_bytes,
     param_counts,
 )
 
@@ -223,12 +224,9 @@ def _components(cfg: Any, arch: Arch) -> dict[str, Any]:
 
 
 def _dynamic(cfg: Any, c: dict[str, Any], micro_batch: int, checkpointing: bool) -> float:
-    """Activations + logits of one micro-batch, GiB."""
-    arch, seq = c["arch"], c["seq"]
-    act = activation_bytes(
-        arch, c["a"], cfg.model.lora_rank, c["targets"], micro_batch, seq, checkpointing, c["attn"]
-    )
-    return (act + logits_bytes(arch, micro_batch * c["logit_rows"], c["a"])) / GIB
+    """Activations + logits of one micro-batch at their peak, GiB (`memory.microbatch_bytes`)."""
+    shape = (c["targets"], micro_batch, c["seq"], micro_batch * c["logit_rows"], checkpointing)
+    return microbatch_bytes(c["arch"], c["a"], cfg.model.lora_rank, *shape, c["attn"]) / GIB
 
 
 def _best_micro_batch(

@@ -110,17 +110,35 @@ def completion_logits(model, batch: Batch) -> torch.Tensor:
 
     Position P-1+t predicts completion token t; the last row predicts the token after the batch.
     A batch with shared prompts runs each distinct prompt once (`_shared_prompt_logits`).
+    On CPU the kept positions are passed as an index tensor (`_kept_positions`).
     """
     if batch.prompt_index is not None and not (model.training and _checkpointing(model)):
         return _shared_prompt_logits(model, batch)
+    keep = _kept_positions(batch.input_ids, batch.completion_mask.shape[1] + 1)
     out = model(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
         position_ids=batch.position_ids,
-        logits_to_keep=batch.completion_mask.shape[1] + 1,
+        logits_to_keep=keep,
         use_cache=False,
     )
     return out.logits
+
+
+def _kept_positions(input_ids: torch.Tensor, keep: int) -> int | torch.Tensor:
+    """`logits_to_keep` for the last `keep` positions of `input_ids` [N, T].
+
+    On CPU the kept positions are passed as an index tensor, which gathers them into a
+    contiguous [N, keep, h]: the last-k slice an integer asks for is a non-contiguous view, and
+    CPU `F.linear` on such a view materialises the lm_head weight once per sequence (N x V x h,
+    0.6 GiB at N = 2 for Qwen3's V and h = 1024; benchmarks/plan_vs_measured.py). CUDA keeps the
+    integer, the form the GPU-only backends (Unsloth's patched forward) were written against;
+    whether CUDA's batched matmul copies the weight too is not measured yet (docs/gpu_check.md).
+    """
+    if input_ids.device.type != "cpu":
+        return keep
+    width = input_ids.shape[1]
+    return torch.arange(width - keep, width)  # [keep]
 
 
 def _shared_prompt_logits(model, batch: Batch) -> torch.Tensor:
@@ -136,7 +154,7 @@ def _shared_prompt_logits(model, batch: Batch) -> torch.Tensor:
         input_ids=batch.input_ids[rows, :width_p],  # [U, P]
         attention_mask=batch.attention_mask[rows, :width_p],  # [U, P]
         position_ids=batch.position_ids[rows, :width_p],  # [U, P]
-        logits_to_keep=1,
+        logits_to_keep=_kept_positions(batch.input_ids[rows, :width_p], 1),
         use_cache=True,
     )
     cache = head.get("cache") or head.past_key_values  # transformers >= 5.2x name it `cache`
@@ -146,7 +164,7 @@ def _shared_prompt_logits(model, batch: Batch) -> torch.Tensor:
         attention_mask=batch.attention_mask,  # [N, P + C]
         position_ids=batch.position_ids[:, width_p:],  # [N, C]
         **{_cache_argument(model): cache},
-        logits_to_keep=width_c,
+        logits_to_keep=width_c,  # every position of the [N, C] input: no slice, no copy
         use_cache=True,
     )
     return torch.cat([head.logits[index], tail.logits], dim=1)  # [N, C + 1, V]

@@ -1,6 +1,15 @@
 """GPU smoke test: a few real training steps per backend on a CUDA machine, no internet.
 
-    python scripts/gpu_smoke.py [--steps 4] [--model tiny|small] [--only hf_16bit,vllm_nf4]
+    python scripts/gpu_smoke.py --wheels DIR [--steps 4] [--model tiny|small] [--only hf_16bit,vllm_nf4]
+        [--budget 450] [--wheels-target DIR]
+
+`--wheels DIR`: before any variant, every wheel in DIR whose distribution is not installed
+(bitsandbytes, vllm and their dependencies, downloaded on a connected machine) is installed with
+`pip install --no-index --no-deps --find-links DIR` into the running environment, or into
+`--wheels-target` (put on sys.path and the children's PYTHONPATH); it prints what it installed
+and what it skipped. `--budget` caps the whole run's wall clock (default 450 s: all variants in
+under 8 minutes); a variant gets at most the time left, and once too little is left the rest are
+recorded as "skipped: out of time". How to run it and what passing means: docs/gpu_check.md.
 
 Runs `ebpo_lite.train.main(argv)` on recipes/tiny_cpu.yaml moved to the GPU (model.device=cuda),
 once per variant, each in its own child process (clean CUDA state, exact peak memory):
@@ -22,7 +31,8 @@ which is the trainer itself), the mean reward, and the memory
 planner's estimate for the same config (to calibrate ebpo_lite/plan.py's constants).
 
 Writes benchmarks/results/gpu_smoke_<gpu>.json. Exit status: 0 all that ran passed, 1 a variant
-failed, 2 no CUDA device (this script refuses to run on CPU).
+failed (or a wheel failed to install), 2 no CUDA device (this script refuses to run on CPU, and
+never writes a result there).
 """
 
 from __future__ import annotations
@@ -40,8 +50,19 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # runs from a checkout: ebpo_lite need not be installed
+    sys.path.insert(0, str(REPO))
+OFFLINE_ENV = {  # no internet on the GPU machine: fail fast instead of waiting on the network
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
 RECIPE = REPO / "recipes" / "tiny_cpu.yaml"
 VARIANTS = ("hf_16bit", "hf_nf4", "vllm_16bit", "vllm_nf4", "unsloth")
+BUDGET_S = 450  # the whole run, wheels included: under 8 minutes with room to write the result
+MIN_VARIANT_S = 45  # less time left than this: the remaining variants are skipped
+OUT_OF_TIME = "skipped: out of time"
 
 
 def missing_requirements(variant: str) -> str | None:
@@ -58,6 +79,86 @@ def missing_requirements(variant: str) -> str | None:
     if variant == "unsloth" and not (REPO / "ebpo_lite" / "rollout" / "unsloth.py").is_file():
         return "ebpo_lite has no unsloth backend module"
     return None
+
+
+# ----------------------------------------------------------------------------- offline wheels
+
+
+def wheel_distribution(path: Path) -> str:
+    """The normalised distribution name of a wheel file (`{name}-{version}-...-{platform}.whl`)."""
+    return re.sub(r"[-_.]+", "-", path.name.split("-")[0]).lower()
+
+
+def installed(dist: str, target: Path | None = None) -> bool:
+    """Whether distribution `dist` is installed in this environment (or in `target`)."""
+    from importlib import metadata
+
+    paths = [str(target), *sys.path] if target else None
+    return any(
+        re.sub(r"[-_.]+", "-", d.metadata["Name"] or "").lower() == dist
+        for d in metadata.distributions(**({"path": paths} if paths else {}))
+    )
+
+
+def install_wheels(folder: Path, target: Path | None = None) -> dict:
+    """Install every wheel in `folder` whose distribution is missing, offline, without deps.
+
+    Into the running environment, or into `target` (then put on sys.path, and on PYTHONPATH for
+    the child processes). Returns {"installed": [...], "already": [...], "failed": str | None}.
+    """
+    if not folder.is_dir():
+        raise SystemExit(f"gpu_smoke: --wheels: {folder} is not a folder")
+    wheels = sorted(folder.glob("*.whl"))
+    names = sorted({wheel_distribution(w) for w in wheels})
+    missing = [n for n in names if not installed(n, target)]
+    out = {"folder": str(folder), "installed": [], "already": sorted(set(names) - set(missing))}
+    out["failed"] = None
+    if missing:
+        cmd = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps"]
+        cmd += ["--find-links", str(folder), "--disable-pip-version-check", "--quiet"]
+        cmd += ["--target", str(target)] if target else []
+        proc = subprocess.run([*cmd, *missing], capture_output=True, text=True)
+        if proc.returncode == 0:
+            out["installed"] = missing
+        else:
+            out["failed"] = (proc.stdout + proc.stderr).strip()[-2000:]
+    if target:
+        target.mkdir(parents=True, exist_ok=True)
+        if str(target) not in sys.path:
+            sys.path.insert(0, str(target))
+        paths = [str(target), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+        os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    importlib.invalidate_caches()
+    print(
+        f"gpu_smoke: wheels from {folder}: installed {', '.join(out['installed']) or 'none'}; "
+        f"already present {', '.join(out['already']) or 'none'}"
+        + (f"; pip failed: {out['failed'].splitlines()[-1]}" if out["failed"] else ""),
+        flush=True,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------- variants
+
+
+def run_within_budget(variants, budget_s: float, started: float, run_one, clock=time.monotonic):
+    """Run each variant with `run_one(variant, timeout_s)` (its entry dict) while time is left.
+
+    A variant gets at most the time left of `budget_s` (counted from `started` on `clock`);
+    with less than MIN_VARIANT_S left it, and every variant after it, is recorded as
+    OUT_OF_TIME without running.
+    """
+    entries = []
+    for v in variants:
+        left = budget_s - (clock() - started)
+        if left < MIN_VARIANT_S:
+            entries.append(
+                {"variant": v, "status": OUT_OF_TIME, "reason": f"{max(left, 0):.0f} s left"}
+            )
+            print(f"gpu_smoke: {v}: {OUT_OF_TIME} ({max(left, 0):.0f} s left)", flush=True)
+            continue
+        entries.append(run_one(v, left))
+    return entries
 
 
 def variant_overrides(variant: str, out_dir: Path, steps: int, dtype: str, model: str) -> list[str]:
@@ -197,11 +298,15 @@ def gpu_facts() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--model", choices=("tiny", "small"), default="tiny")
     ap.add_argument("--only", default="", help="comma-separated variants (default: all)")
-    ap.add_argument("--timeout", type=int, default=900, help="seconds per variant")
+    ap.add_argument("--wheels", help="folder of wheels to install offline when missing")
+    ap.add_argument("--wheels-target", help="install them here (on sys.path) instead of the env")
+    ap.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for the whole run")
+    ap.add_argument("--timeout", type=int, default=300, help="seconds per variant at most")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--child-result", help=argparse.SUPPRESS)
@@ -223,6 +328,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from ebpo_lite.device import native_bf16
 
+    wheels = None
+    if args.wheels:
+        target = Path(args.wheels_target).resolve() if args.wheels_target else None
+        wheels = install_wheels(Path(args.wheels).resolve(), target)
     dtype = "bfloat16" if native_bf16(torch.device("cuda", 0)) else "float16"
     chosen = [v for v in VARIANTS if not args.only or v in args.only.split(",")]
     facts = gpu_facts()
@@ -233,31 +342,34 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": dtype,
         "model": args.model,
         "steps": args.steps,
+        "budget_s": args.budget,
+        "wheels": wheels,
         "variants": [],
     }
-    failed = False
     with tempfile.TemporaryDirectory(prefix="ebpo_gpu_smoke_") as tmp:
         model = build_small_model(Path(tmp) / "small") if args.model == "small" else "tiny"
-        for v in chosen:
+
+        def run_one(v: str, left: float) -> dict:
             reason = missing_requirements(v)
             if reason:
-                report["variants"].append({"variant": v, "status": "skipped", "reason": reason})
-                print(f"gpu_smoke: {v}: skipped ({reason})")
-                continue
-            entry = run_variant(v, Path(tmp), args, dtype, model)
-            failed |= entry["status"] == "failed"
-            report["variants"].append(entry)
-            print(f"gpu_smoke: {v}: {entry['status']} {summary(entry)}")
-    out = (
-        Path(args.out) / f"gpu_smoke_{re.sub(r'[^A-Za-z0-9]+', '_', facts['gpu']).strip('_')}.json"
-    )
+                print(f"gpu_smoke: {v}: skipped ({reason})", flush=True)
+                return {"variant": v, "status": "skipped", "reason": reason}
+            entry = run_variant(v, Path(tmp), args, dtype, model, min(args.timeout, left))
+            print(f"gpu_smoke: {v}: {entry['status']} {summary(entry)}", flush=True)
+            return entry
+
+        report["variants"] = run_within_budget(chosen, args.budget, started, run_one)
+    report["wall_s"] = time.monotonic() - started
+    gpu = re.sub(r"[^A-Za-z0-9]+", "_", facts["gpu"]).strip("_")
+    out = Path(args.out) / f"gpu_smoke_{gpu}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"gpu_smoke: wrote {out}")
-    return 1 if failed else 0
+    print(f"gpu_smoke: wrote {out} ({report['wall_s']:.0f} s)")
+    failed = any(e["status"] == "failed" for e in report["variants"])
+    return 1 if failed or (wheels and wheels["failed"]) else 0
 
 
-def run_variant(v: str, tmp: Path, args, dtype: str, model: str) -> dict:
+def run_variant(v: str, tmp: Path, args, dtype: str, model: str, timeout: float) -> dict:
     """Train one variant in a child process; its JSON result, or the failure and its output."""
     out_dir, result = tmp / v, tmp / f"{v}.json"
     child_argv = [str(RECIPE), *variant_overrides(v, out_dir, args.steps, dtype, model)]
@@ -271,15 +383,15 @@ def run_variant(v: str, tmp: Path, args, dtype: str, model: str) -> dict:
         "--",
         *child_argv,
     ]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = child_env()
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=args.timeout, env=env, cwd=REPO
+            cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO
         )
         rc, log = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as e:
-        rc, log = -1, f"timed out after {args.timeout}s\n{e.stdout or ''}{e.stderr or ''}"
+        rc, log = -1, f"timed out after {timeout:.0f}s\n{_text(e.stdout)}{_text(e.stderr)}"
     entry = json.loads(result.read_text()) if result.is_file() else {"variant": v}
     entry["status"] = "ok" if rc == 0 and entry.get("rc") == 0 else "failed"
     entry["process_wall_s"] = time.perf_counter() - t0
@@ -287,6 +399,19 @@ def run_variant(v: str, tmp: Path, args, dtype: str, model: str) -> dict:
         entry["returncode"] = rc
         entry["log_tail"] = log[-4000:] if isinstance(log, str) else str(log)[-4000:]
     return entry
+
+
+def child_env() -> dict[str, str]:
+    """A variant's environment: offline settings (unless already set), this checkout first on
+    PYTHONPATH (then any --wheels-target), unbuffered output."""
+    path = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**OFFLINE_ENV, **os.environ, "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(path))
+    return env
+
+
+def _text(b) -> str:
+    return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
 
 
 def summary(e: dict) -> str:

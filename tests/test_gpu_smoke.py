@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -82,3 +85,128 @@ def test_a_variant_trains_through_train_main_on_cpu(tmp_path):
     m = gpu_smoke.read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert len(m["step_times"]) == 2
     assert m["logp_diff_max"] is None  # the transformers sampler is the trainer: no gap to log
+
+
+# ----------------------------------------------------------------------------- --wheels, --budget
+
+
+def _build_wheel(tmp_path: Path, name: str, version: str = "0.0.1") -> Path:
+    """A one-module package built into a wheel by setuptools' PEP 517 backend, offline."""
+    from setuptools import build_meta
+
+    src = tmp_path / f"src_{name}"
+    (src / name).mkdir(parents=True)
+    (src / name / "__init__.py").write_text(f"WHO = {name!r}\n")
+    (src / "pyproject.toml").write_text(
+        f'[project]\nname = "{name}"\nversion = "{version}"\n'
+        '[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n'
+    )
+    out = tmp_path / "wheels"
+    out.mkdir(exist_ok=True)
+    cwd = os.getcwd()
+    try:
+        os.chdir(src)
+        build_meta.build_wheel(str(out))
+    finally:
+        os.chdir(cwd)
+    return out
+
+
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory) -> Path:
+    """A folder with two wheels: a package nobody has and one this environment already has."""
+    tmp = tmp_path_factory.mktemp("wheels")
+    _build_wheel(tmp, "ebpo_smoke_probe")
+    return _build_wheel(tmp, "pytest", "0.0.1")
+
+
+def test_wheels_installs_only_the_missing_ones_offline(wheels, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))  # install_wheels puts the target on it
+    monkeypatch.setenv("PYTHONPATH", "")
+    folder = wheels
+    assert sorted(gpu_smoke.wheel_distribution(w) for w in folder.glob("*.whl")) == [
+        "ebpo-smoke-probe",
+        "pytest",
+    ]
+    target = tmp_path / "site"
+    res = gpu_smoke.install_wheels(folder, target)
+    assert res["installed"] == ["ebpo-smoke-probe"] and res["already"] == ["pytest"]
+    assert res["failed"] is None
+    assert (target / "ebpo_smoke_probe" / "__init__.py").is_file()
+    assert not (target / "pytest").exists()  # the installed pytest was left alone
+    assert str(target) in sys.path and os.environ["PYTHONPATH"].split(os.pathsep)[0] == str(target)
+    out = capsys.readouterr().out
+    assert "installed ebpo-smoke-probe; already present pytest" in out
+    # a child process (as each variant is) imports it through PYTHONPATH
+    probe = subprocess.run(
+        [sys.executable, "-c", "import ebpo_smoke_probe as m; print(m.WHO)"],
+        capture_output=True, text=True, env=dict(os.environ), timeout=60,
+    )  # fmt: skip
+    assert probe.stdout.strip() == "ebpo_smoke_probe"
+    # a second run finds it installed and installs nothing
+    assert gpu_smoke.install_wheels(folder, target)["installed"] == []
+
+
+def test_wheels_that_cannot_install_are_reported(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", "")
+    folder = tmp_path / "wheels"
+    folder.mkdir()
+    (folder / "ebpo_broken_probe-0.0.1-py3-none-any.whl").write_bytes(b"not a zip")
+    res = gpu_smoke.install_wheels(folder, tmp_path / "site")
+    assert res["installed"] == [] and res["failed"]
+    with pytest.raises(SystemExit, match="is not a folder"):
+        gpu_smoke.install_wheels(tmp_path / "absent")
+
+
+def test_budget_skips_the_rest_when_time_runs_out():
+    """A fake clock: each variant takes 200 s of a 450 s budget; the third gets what is left."""
+    now = [0.0]
+    timeouts = []
+
+    def run_one(v, left):
+        timeouts.append(left)
+        now[0] += min(200.0, left)
+        return {"variant": v, "status": "ok"}
+
+    entries = gpu_smoke.run_within_budget(
+        gpu_smoke.VARIANTS, 450, 0.0, run_one, clock=lambda: now[0]
+    )
+    assert [e["status"] for e in entries] == ["ok", "ok", "ok"] + [gpu_smoke.OUT_OF_TIME] * 2
+    assert gpu_smoke.OUT_OF_TIME == "skipped: out of time"
+    assert timeouts == [450, 250, 50]  # never more than the time left
+    assert entries[3]["reason"] == "0 s left"
+
+
+def test_budget_lets_everything_run_when_there_is_time():
+    now = [0.0]
+
+    def run_one(v, left):
+        now[0] += 10
+        return {"variant": v, "status": "ok"}
+
+    entries = gpu_smoke.run_within_budget(gpu_smoke.VARIANTS, 450, 0.0, run_one, lambda: now[0])
+    assert [e["status"] for e in entries] == ["ok"] * len(gpu_smoke.VARIANTS)
+
+
+def test_refuses_without_cuda_even_with_wheels(wheels, tmp_path, capsys):
+    """No CUDA: exit 2 before installing anything or writing a result."""
+    if torch.cuda.is_available():  # pragma: no cover - CI has no GPU
+        pytest.skip("a GPU is visible")
+    rc = gpu_smoke.main(
+        ["--wheels", str(wheels), "--wheels-target", str(tmp_path / "site"), "--out", str(tmp_path)]
+    )
+    assert rc == 2
+    assert not (tmp_path / "site").exists() and not list(tmp_path.glob("gpu_smoke_*.json"))
+    assert "no CUDA device visible" in capsys.readouterr().err
+
+
+def test_a_variant_child_imports_this_checkout_offline(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    env = gpu_smoke.child_env()
+    assert env["HF_HUB_OFFLINE"] == "1" and env["PYTHONPATH"].split(os.pathsep)[0] == str(REPO)
+    proc = subprocess.run(
+        [sys.executable, "-c", "import ebpo_lite; print(ebpo_lite.__file__)"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60,
+    )  # fmt: skip
+    assert proc.stdout.strip() == str(REPO / "ebpo_lite" / "__init__.py")
