@@ -11,10 +11,12 @@ token-mean loss (TRL's loss_type "dapo"), transformers `generate` as the sampler
 use_vllm=False, ebpo_lite rollout.backend=hf), no gradient checkpointing (TRL's default is on),
 2 threads, float32.
 
-ebpo_lite runs twice: `ours` with its best CPU settings for a small model, the lean decode loop
-(`rollout.hf_loop=lean`) and SDPA attention (`model.attn_implementation=sdpa`, as TRL's model
-loads by default), and `ours_generate` with its defaults: transformers `generate`, as TRL, and
-eager attention (what `auto` picks on CPU).
+ebpo_lite runs three times: `ours` with its best CPU settings for a small model, the lean decode
+loop (`rollout.hf_loop=lean`), SDPA attention (`model.attn_implementation=sdpa`, as TRL's model
+loads by default) and shared prompt forwards (`train.share_prompts`, the default: each of the 32
+prompts runs forward once for its 8 completions); `ours_full_batch`, the same without sharing
+(every row's prompt forwarded); and `ours_generate` with its defaults: transformers `generate`,
+as TRL, and eager attention (what `auto` picks on CPU).
 Alternation in one process: TRL's own training loop runs; a callback times each TRL step
 (on_step_begin -> on_step_end: generation, rewards, loss, backward, optimizer) and then runs one
 ebpo_lite `train_step` of each (sampling, rewards, advantages, loss, optimizer, sampler sync),
@@ -23,7 +25,7 @@ steps of each after `--warmup`, in each of `--repeats` whole runs (the spread be
 about +-10% on 2 cores, is larger than between steps); the reported ratio is the median of the
 runs' ratios. Peak RSS: each side again in its own fresh process (`--only ours|trl`), VmHWM.
 Writes benchmarks/results/step_time_vs_trl.json (ours_s, trl_s, ratio = ours / TRL, the same
-for ours_generate, ebpo_lite's sampling and update seconds from its own `time/*` metrics,
+for ours_generate and ours_full_batch, ebpo_lite's sampling and update seconds from its own `time/*` metrics,
 per-step times, peak RSS, versions, command, machine).
 """
 
@@ -45,9 +47,10 @@ from _machine import command, machine
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = ROOT / "benchmarks" / "results" / "step_time_vs_trl.json"
 PROMPTS, G, NEW_TOKENS, LR, THREADS = 32, 8, 8, 1e-3, 2
+OURS = ("ours", "ours_generate", "ours_full_batch")  # ebpo_lite's sides, one step each per TRL's
 
 
-def ours_config(out: Path, steps: int, loop: str = "lean"):
+def ours_config(out: Path, steps: int, loop: str = "lean", share: bool = True):
     from ebpo_lite import config
 
     return config.load(
@@ -69,14 +72,15 @@ def ours_config(out: Path, steps: int, loop: str = "lean"):
             "train.checkpoint_every=0",
             "eval.every=0",
             "log.progress=none",
+            f"train.share_prompts={str(share).lower()}",
         ],
     )
 
 
-def ours_run(out: Path, steps: int, loop: str = "lean"):
+def ours_run(out: Path, steps: int, loop: str = "lean", share: bool = True):
     from ebpo_lite.run import build_run
 
-    cfg = ours_config(out, steps, loop)
+    cfg = ours_config(out, steps, loop, share)
     return cfg, build_run(cfg)
 
 
@@ -139,12 +143,13 @@ def alternate(n: int) -> dict:
     from ebpo_lite.train import train_step
 
     torch.set_num_threads(THREADS)
-    times: dict[str, list[float]] = {"trl": [], "ours": [], "ours_generate": []}
-    phases: dict[str, list[dict]] = {"ours": [], "ours_generate": []}  # train_step's time/*
+    times: dict[str, list[float]] = {k: [] for k in ("trl", *OURS)}
+    phases: dict[str, list[dict]] = {k: [] for k in OURS}  # train_step's time/*
     with tempfile.TemporaryDirectory() as tmp:
         cfg, run = ours_run(Path(tmp) / "ours", n, "lean")
         _, run_generate = ours_run(Path(tmp) / "ours_generate", n, "generate")
-        runs = {"ours": run, "ours_generate": run_generate}
+        _, run_full = ours_run(Path(tmp) / "ours_full_batch", n, "lean", share=False)
+        runs = {"ours": run, "ours_generate": run_generate, "ours_full_batch": run_full}
 
         class Alternate(TrainerCallback):
             def on_step_begin(self, args, state, control, **kw):
@@ -210,10 +215,11 @@ def main() -> None:
             p[f"time/{key}_s"] for _, ph in reps for p in ph[name][args.warmup :]
         )
 
-    per = {name: median_of(name) for name in ("ours", "ours_generate", "trl")}
+    per = {name: median_of(name) for name in (*OURS, "trl")}
     ratios = [o / t for o, t in zip(per["ours"], per["trl"])]
     ratios_generate = [o / t for o, t in zip(per["ours_generate"], per["trl"])]
-    ours, ours_generate, trl_s = (statistics.median(per[k]) for k in per)
+    ratios_full = [o / t for o, t in zip(per["ours_full_batch"], per["trl"])]
+    ours, ours_generate, ours_full, trl_s = (statistics.median(per[k]) for k in per)
     rss = {}
     for side in ("ours", "trl"):
         out = subprocess.run(
@@ -238,15 +244,20 @@ def main() -> None:
         "ours_generate_s": ours_generate,
         "ratio_generate": statistics.median(ratios_generate),
         "ratio_generate_per_repeat": ratios_generate,
+        "ours_full_batch_s": ours_full,
+        "ratio_full_batch": statistics.median(ratios_full),
+        "ratio_full_batch_per_repeat": ratios_full,
         "repeats": args.repeats,
         # where ebpo_lite's step goes: sampling (with rewards) and the update, per sampler loop
         "ours_rollout_s": phase("ours", "rollout"),
         "ours_train_s": phase("ours", "train"),
         "ours_generate_rollout_s": phase("ours_generate", "rollout"),
         "ours_generate_train_s": phase("ours_generate", "train"),
+        "ours_full_batch_rollout_s": phase("ours_full_batch", "rollout"),
+        "ours_full_batch_train_s": phase("ours_full_batch", "train"),
         "ours_peak_rss_mib": rss["ours"],
         "trl_peak_rss_mib": rss["trl"],
-        **{f"{k}_steps_s": [t[k] for t, _ in reps] for k in ("ours", "ours_generate", "trl")},
+        **{f"{k}_steps_s": [t[k] for t, _ in reps] for k in (*OURS, "trl")},
     }
     RESULT.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if not k.endswith("steps_s")}, indent=2))
