@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 from _machine import command, machine
-from torch.profiler import ProfilerActivity, profile
+from _memory import allocator_bytes
 
 from ebpo_lite.memory import arch_from_config, logits_bytes
 from ebpo_lite.policy import completion_logprobs, make_batch
@@ -94,18 +94,8 @@ def peak_bytes(model, batch, fn) -> tuple[int, float]:
     """(peak bytes above the start, seconds) of one micro-batch, from the allocator's events."""
     micro_batch(model, batch, fn)  # warm-up: lazy inits outside the measurement
     t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        micro_batch(model, batch, fn)
+    _, _, peak = allocator_bytes(lambda: micro_batch(model, batch, fn))
     seconds = time.perf_counter() - t0
-    events = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]"
-    )
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
     return peak, seconds
 
 

@@ -32,7 +32,6 @@ the caching allocator's fragmentation, vLLM's reservation and KV cache.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import tempfile
@@ -41,7 +40,7 @@ from pathlib import Path
 
 import torch
 from _machine import command, machine
-from torch.profiler import ProfilerActivity, profile
+from _memory import allocator_bytes
 
 from ebpo_lite import config, loss, plan
 from ebpo_lite.memory import GIB
@@ -76,24 +75,6 @@ LORA = dict(rank=32, alpha=64)  # the flagship recipe's
 
 
 # ----------------------------------------------------------------------------- measuring
-
-
-def allocator_bytes(fn):
-    """(fn's result, bytes still live at the end, peak bytes) of the CPU allocator's events
-    during `fn()`, both relative to its start."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = fn()
-        gc.collect()
-    events = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]"
-    )
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return out, live, peak
 
 
 def build_model_dir(shape: dict, folder: Path) -> Path:

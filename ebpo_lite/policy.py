@@ -97,10 +97,13 @@ def make_batch(
     batch = Batch(ids.to(device), attn.to(device), pos.to(device), cmask.to(device), width_p)
     if share_prompts:
         first: dict[tuple[int, ...], int] = {}  # prompt -> its distinct index
-        index = [first.setdefault(tuple(p), len(first)) for p in prompt_ids]
+        heads: list[int] = []  # each distinct prompt's first row
+        index = []  # each row's distinct prompt
+        for i, p in enumerate(prompt_ids):
+            index.append(first.setdefault(tuple(p), len(first)))
+            heads += [i] if index[-1] == len(heads) else []  # a new prompt
         if len(first) < n:
-            rows = [index.index(u) for u in range(len(first))]
-            batch.prompt_rows = torch.tensor(rows, dtype=torch.long, device=device)  # [U]
+            batch.prompt_rows = torch.tensor(heads, dtype=torch.long, device=device)  # [U]
             batch.prompt_index = torch.tensor(index, dtype=torch.long, device=device)  # [N]
     return batch
 

@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("bitsandbytes")
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))  # the benchmark imports its sibling _machine
+sys.path.insert(0, str(REPO / "benchmarks"))  # the benchmark imports its siblings _machine, _memory
 _spec = importlib.util.spec_from_file_location("pvm", REPO / "benchmarks" / "plan_vs_measured.py")
 pvm = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(pvm)
