@@ -129,8 +129,15 @@ def test_first_mini_batch_takes_its_old_logprobs_from_its_own_forward(tmp_path, 
             run._update(prompts, roll, adv, mini, fixed, {}, 1 / (2 * iterations))
     before = run.policy.trainable_state()
     assert any(not torch.equal(before[k], start[0][k]) for k in before)  # the update is real
-    for k in new:
-        assert torch.allclose(new[k], before[k], atol=1e-6, rtol=0), k
+    # Relative to the update itself, not element-wise: AdamW's first step is about lr * sign(g),
+    # so an element whose gradient is near zero turns fp32 round-off of the two forwards' old
+    # log-probs (eval-mode scoring vs the training forward) into up to 2e-6 of difference (seen
+    # on an Intel Xeon; the old atol=1e-6 check failed there). Measured: round-off 1e-5 of the
+    # update; old log-probs of the first mini-batch shifted by 0.01 nats: 1.3e-3 (iterations=1),
+    # 0.15 (iterations=2).
+    diff = sum(((new[k] - before[k]).double() ** 2).sum() for k in new) ** 0.5
+    step = sum(((before[k] - start[0][k]).double() ** 2).sum() for k in new) ** 0.5
+    assert diff <= 1e-4 * step, f"{diff / step:.2e} of the update"
 
 
 def test_micro_batches_are_length_sorted_and_cover_each_row_once():
