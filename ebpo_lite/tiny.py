@@ -77,6 +77,23 @@ def build_tiny_model(seed: int = 0):
     return Qwen3ForCausalLM(config).to(torch.float32)
 
 
+def save_random_qwen3(folder: str | Path, seed: int = 0, **shape) -> Path:
+    """A random-init Qwen3 with the tiny character tokenizer, saved as a model folder.
+
+    `shape` overrides `tiny_config_kwargs` (hidden_size, num_hidden_layers, heads, ...): the
+    checks of the 4-bit path (ebpo_lite.qlora_check, tests, scripts/gpu_smoke.py) build larger
+    members of the family this way, with no download.
+    """
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    folder = Path(folder)
+    with torch.random.fork_rng(devices=[]):  # the caller's RNG is left as it was
+        torch.manual_seed(seed)
+        Qwen3ForCausalLM(Qwen3Config(**{**tiny_config_kwargs(), **shape})).save_pretrained(folder)
+    build_tokenizer().save_pretrained(folder)
+    return folder
+
+
 def cache_root() -> Path:
     root = os.environ.get("EBPO_LITE_CACHE") or Path.home() / ".cache" / "ebpo_lite"
     return Path(root)
