@@ -1,7 +1,7 @@
 """GPU smoke test: a few real training steps per backend on a CUDA machine, no internet.
 
     python scripts/gpu_smoke.py --wheels DIR [--steps 4] [--model tiny|small] [--only hf_16bit,vllm_nf4]
-        [--budget 450] [--wheels-target DIR]
+        [--budget 450] [--wheels-target DIR] [--cpu-rehearsal]
 
 `--wheels DIR`: before any variant, every wheel in DIR whose distribution is not installed
 (bitsandbytes, vllm and their dependencies, downloaded on a connected machine) is installed with
@@ -11,9 +11,13 @@ and what it skipped. `--budget` caps the whole run's wall clock (default 450 s: 
 under 8 minutes); a variant gets at most the time left, and once too little is left the rest are
 recorded as "skipped: out of time". How to run it and what passing means: docs/gpu_check.md.
 
-Runs `ebpo_lite.train.main(argv)` on recipes/tiny_cpu.yaml moved to the GPU (model.device=cuda),
-once per variant, each in its own child process (clean CUDA state, exact peak memory):
+Each variant runs in its own child process (clean CUDA state, exact peak memory). The first is
+`ebpo_lite.qlora_check` on the GPU; the others run `ebpo_lite.train.main(argv)` on
+recipes/tiny_cpu.yaml moved to the GPU (model.device=cuda):
 
+    nf4_grads   LoRA gradients through bitsandbytes' CUDA NF4 kernels against the dequantized
+                base (fp32 and bf16/fp16), checkpointing on vs off, one layer at 1-2048 rows
+                                                            skipped when bitsandbytes is missing
     hf_16bit    transformers sampler, bf16 (fp16 on GPUs without native bf16: T4, V100, P100)
     hf_nf4      + NF4 base (bitsandbytes)                 skipped when bitsandbytes is missing
     vllm_16bit  colocated vLLM sampler (adapter-only sync) skipped when vllm is missing
@@ -33,6 +37,10 @@ planner's estimate for the same config (to calibrate ebpo_lite/plan.py's constan
 Writes benchmarks/results/gpu_smoke_<gpu>.json. Exit status: 0 all that ran passed, 1 a variant
 failed (or a wheel failed to install), 2 no CUDA device (this script refuses to run on CPU, and
 never writes a result there).
+
+`--cpu-rehearsal` (for tests/test_gpu_smoke.py, not a GPU result): the same variants, children
+and result, on the CPU in float32, written as `cpu_rehearsal.json`, so that the orchestration
+is proven before the first GPU session spends its minutes on it.
 """
 
 from __future__ import annotations
@@ -59,7 +67,18 @@ OFFLINE_ENV = {  # no internet on the GPU machine: fail fast instead of waiting 
     "DO_NOT_TRACK": "1",
 }
 RECIPE = REPO / "recipes" / "tiny_cpu.yaml"
-VARIANTS = ("hf_16bit", "hf_nf4", "vllm_16bit", "vllm_nf4", "unsloth")
+VARIANTS = ("nf4_grads", "hf_16bit", "hf_nf4", "vllm_16bit", "vllm_nf4", "unsloth")
+# nf4_grads' random Qwen3: wider than the tiny model so that the 4-bit layers meet the weight
+# sizes at which bitsandbytes' CUDA dispatch changes kernel (ebpo_lite/qlora_check.py)
+CHECK_SHAPE = dict(
+    num_hidden_layers=4,
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=64,
+)
+CHECK_LAYERS = ((1024, 1024), (1024, 4096), (4096, 1024))  # one layer's (in, out) sizes
 BUDGET_S = 450  # the whole run, wheels included: under 8 minutes with room to write the result
 MIN_VARIANT_S = 45  # less time left than this: the remaining variants are skipped
 OUT_OF_TIME = "skipped: out of time"
@@ -68,6 +87,7 @@ OUT_OF_TIME = "skipped: out of time"
 def missing_requirements(variant: str) -> str | None:
     """Why a variant cannot run here (a missing package or backend module), or None."""
     needs = {
+        "nf4_grads": ["bitsandbytes"],
         "hf_nf4": ["bitsandbytes"],
         "vllm_16bit": ["vllm"],
         "vllm_nf4": ["vllm", "bitsandbytes"],
@@ -161,11 +181,13 @@ def run_within_budget(variants, budget_s: float, started: float, run_one, clock=
     return entries
 
 
-def variant_overrides(variant: str, out_dir: Path, steps: int, dtype: str, model: str) -> list[str]:
+def variant_overrides(
+    variant: str, out_dir: Path, steps: int, dtype: str, model: str, device: str = "cuda"
+) -> list[str]:
     """The `section.key=value` overrides that turn the tiny CPU recipe into this GPU variant."""
     ov = {
         "output_dir": str(out_dir),
-        "model.device": "cuda",
+        "model.device": device,
         "model.dtype": dtype,
         "model.name": model,
         "model.trainable_extra": "[]",  # the flagship path: LoRA only, adapter-only sync
@@ -214,50 +236,53 @@ def read_metrics(path: Path) -> dict:
 
 def build_small_model(folder: Path) -> str:
     """A larger Qwen3 (8 x 1024, head size 64) with the tiny tokenizer, random weights, saved."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from ebpo_lite.tiny import save_random_qwen3
 
-    from ebpo_lite.tiny import build_tokenizer, tiny_config_kwargs
-
-    kw = tiny_config_kwargs() | dict(
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=8,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=64,
-    )
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(Qwen3Config(**kw)).save_pretrained(folder)
-    build_tokenizer().save_pretrained(folder)
-    return str(folder)
+    return str(save_random_qwen3(folder, **{**CHECK_SHAPE, "num_hidden_layers": 8}))
 
 
-def run_child(variant: str, argv: list[str], result_path: Path) -> int:
-    """In the child: train, then write what ran and what it cost as JSON."""
+def memory_stats(device: str) -> dict:
+    """Peak torch allocations and the device's used memory (CUDA); nothing on the CPU."""
     import torch
 
+    if device != "cuda":
+        return {}
+    free, total = torch.cuda.mem_get_info()
+    return {
+        "peak_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_reserved_gb": torch.cuda.max_memory_reserved() / 2**30,
+        "device_used_at_end_gb": (total - free) / 2**30,
+        "total_gb": total / 2**30,
+    }
+
+
+def run_child(variant: str, argv: list[str], result_path: Path, device: str = "cuda") -> int:
+    """In the child: run the variant, then write what ran and what it cost as JSON."""
+    import torch
+
+    if device == "cuda":
+        torch.cuda.set_device(0)
+        torch.cuda.reset_peak_memory_stats()
+    if variant == "nf4_grads":
+        return run_check_child(argv, result_path, device)
     from ebpo_lite import config, plan, train
 
-    torch.cuda.set_device(0)
-    torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     rc = train.main(argv)
     wall = time.perf_counter() - t0
-    free, total = torch.cuda.mem_get_info()
     cfg = config.load(argv[0], argv[1:])
+    mem = memory_stats(device)
     res = {
         "variant": variant,
         "rc": rc,
         "wall_s": wall,
         "argv": argv,
-        "peak_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
-        "peak_reserved_gb": torch.cuda.max_memory_reserved() / 2**30,
-        "device_used_at_end_gb": (total - free) / 2**30,
+        **mem,
         **read_metrics(Path(cfg.output_dir) / "metrics.jsonl"),
     }
     try:
-        p = plan.plan(cfg, total / 2**30, torch.cuda.get_device_name(0))
+        gpu = torch.cuda.get_device_name(0) if device == "cuda" else "none (CPU rehearsal)"
+        p = plan.plan(cfg, mem.get("total_gb", 80.0), gpu)
         res["planned"] = {
             k: p[k]
             for k in (
@@ -276,16 +301,47 @@ def run_child(variant: str, argv: list[str], result_path: Path) -> int:
     return rc
 
 
-def gpu_facts() -> dict:
+def run_check_child(argv: list[str], result_path: Path, device: str) -> int:
+    """nf4_grads in the child: `ebpo_lite.qlora_check` on CHECK_SHAPE for the dtypes in argv."""
     import torch
 
-    props = torch.cuda.get_device_properties(0)
+    from ebpo_lite import qlora_check
+    from ebpo_lite.cli import quiet_libraries
+    from ebpo_lite.tiny import save_random_qwen3
+
+    quiet_libraries()
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 (torch's default too)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="ebpo_nf4_check_") as tmp:
+        model = save_random_qwen3(Path(tmp) / "model", **CHECK_SHAPE)
+        res = qlora_check.check(device, argv, model, CHECK_LAYERS)
+    for line in qlora_check.summary_lines(res):
+        print(f"nf4_grads: {line}", flush=True)
+    res = qlora_check.json_ready(res)
+    res.update(variant="nf4_grads", rc=0 if res["ok"] else 1, argv=argv, shape=CHECK_SHAPE)
+    res["model"] = "random Qwen3 of `shape` with the tiny tokenizer (ebpo_lite.tiny)"
+    res.update(wall_s=time.perf_counter() - t0, **memory_stats(device))
+    result_path.write_text(json.dumps(res, indent=2, allow_nan=False))
+    return res["rc"]
+
+
+def gpu_facts(device: str = "cuda") -> dict:
+    import torch
+
     versions = {}
     for pkg in ("torch", "transformers", "peft", "bitsandbytes", "vllm", "unsloth"):
         try:
             versions[pkg] = __import__(pkg).__version__ if importlib.util.find_spec(pkg) else None
         except Exception as e:  # an installed but broken package: say so
             versions[pkg] = f"import failed: {type(e).__name__}"
+    if device != "cuda":
+        return {
+            "gpu": None,
+            "rehearsal": "cpu",
+            "python": platform.python_version(),
+            "versions": versions,
+        }
+    props = torch.cuda.get_device_properties(0)
     cap = torch.cuda.get_device_capability(0)
     return {
         "gpu": torch.cuda.get_device_name(0),
@@ -308,14 +364,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for the whole run")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per variant at most")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    ap.add_argument(
+        "--cpu-rehearsal",
+        action="store_true",
+        help="run the variants on the CPU (float32) into cpu_rehearsal.json: tests only",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--child-result", help=argparse.SUPPRESS)
     ap.add_argument("child_argv", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    unknown = sorted(set(filter(None, args.only.split(","))) - set(VARIANTS))
+    if unknown:
+        print(f"gpu_smoke: --only: no variant {', '.join(unknown)} (have {', '.join(VARIANTS)})",
+              file=sys.stderr)  # fmt: skip
+        return 2
 
     import torch
 
-    if not torch.cuda.is_available():
+    device = "cpu" if args.cpu_rehearsal else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
         print(
             "gpu_smoke: no CUDA device visible (torch "
             f"{torch.__version__}, CUDA build {torch.version.cuda or 'none'}); this script only "
@@ -323,8 +390,10 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    for key, value in OFFLINE_ENV.items():  # this process too: importing bitsandbytes asks the
+        os.environ.setdefault(key, value)  # hub for kernels unless told it is offline
     if args.child:
-        return run_child(args.child, args.child_argv, Path(args.child_result))
+        return run_child(args.child, args.child_argv, Path(args.child_result), device)
 
     from ebpo_lite.device import native_bf16
 
@@ -332,9 +401,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.wheels:
         target = Path(args.wheels_target).resolve() if args.wheels_target else None
         wheels = install_wheels(Path(args.wheels).resolve(), target)
-    dtype = "bfloat16" if native_bf16(torch.device("cuda", 0)) else "float16"
+    if device == "cpu":
+        dtype = "float32"  # the CPU rehearsal proves the plumbing, not 16-bit numerics
+    else:
+        dtype = "bfloat16" if native_bf16(torch.device("cuda", 0)) else "float16"
     chosen = [v for v in VARIANTS if not args.only or v in args.only.split(",")]
-    facts = gpu_facts()
+    facts = gpu_facts(device)
     report = {
         **facts,
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
@@ -354,14 +426,15 @@ def main(argv: list[str] | None = None) -> int:
             if reason:
                 print(f"gpu_smoke: {v}: skipped ({reason})", flush=True)
                 return {"variant": v, "status": "skipped", "reason": reason}
-            entry = run_variant(v, Path(tmp), args, dtype, model, min(args.timeout, left))
+            timeout = min(args.timeout, left)
+            entry = run_variant(v, Path(tmp), args, dtype, model, timeout, device)
             print(f"gpu_smoke: {v}: {entry['status']} {summary(entry)}", flush=True)
             return entry
 
         report["variants"] = run_within_budget(chosen, args.budget, started, run_one)
     report["wall_s"] = time.monotonic() - started
-    gpu = re.sub(r"[^A-Za-z0-9]+", "_", facts["gpu"]).strip("_")
-    out = Path(args.out) / f"gpu_smoke_{gpu}.json"
+    name = re.sub(r"[^A-Za-z0-9]+", "_", facts["gpu"] or "").strip("_")
+    out = Path(args.out) / (f"gpu_smoke_{name}.json" if device == "cuda" else "cpu_rehearsal.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"gpu_smoke: wrote {out} ({report['wall_s']:.0f} s)")
@@ -369,10 +442,15 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed or (wheels and wheels["failed"]) else 0
 
 
-def run_variant(v: str, tmp: Path, args, dtype: str, model: str, timeout: float) -> dict:
-    """Train one variant in a child process; its JSON result, or the failure and its output."""
+def run_variant(
+    v: str, tmp: Path, args, dtype: str, model: str, timeout: float, device: str = "cuda"
+) -> dict:
+    """Run one variant in a child process; its JSON result, or the failure and its output."""
     out_dir, result = tmp / v, tmp / f"{v}.json"
-    child_argv = [str(RECIPE), *variant_overrides(v, out_dir, args.steps, dtype, model)]
+    if v == "nf4_grads":
+        child_argv = list(dict.fromkeys(["float32", dtype]))  # the dtypes to check
+    else:
+        child_argv = [str(RECIPE), *variant_overrides(v, out_dir, args.steps, dtype, model, device)]
     cmd = [
         sys.executable,
         str(Path(__file__).resolve()),
@@ -380,6 +458,7 @@ def run_variant(v: str, tmp: Path, args, dtype: str, model: str, timeout: float)
         v,
         "--child-result",
         str(result),
+        *(["--cpu-rehearsal"] if device == "cpu" else []),
         "--",
         *child_argv,
     ]
@@ -417,11 +496,13 @@ def _text(b) -> str:
 def summary(e: dict) -> str:
     if e["status"] != "ok":
         return f"(rc {e.get('returncode')}): {e.get('log_tail', '')[-300:]}"
+    peak = e.get("peak_allocated_gb")
+    text = f"{e['wall_s']:.1f}s" + (f", peak {peak:.2f} GiB allocated" if peak is not None else "")
+    if e["variant"] == "nf4_grads":
+        worst = {d: v["policy"]["worst"] for d, v in e["dtypes"].items()}
+        return text + ", LoRA gradient error " + ", ".join(f"{d} {w:.1e}" for d, w in worst.items())
     gap = e.get("logp_diff_max")
-    return (
-        f"{e['wall_s']:.1f}s, peak {e['peak_allocated_gb']:.2f} GiB allocated, "
-        f"logp gap {gap if gap is None else round(gap, 4)}"
-    )
+    return text + f", logp gap {gap if gap is None else round(gap, 4)}"
 
 
 if __name__ == "__main__":

@@ -28,7 +28,10 @@ def test_refuses_without_cuda(capsys):
     assert len(err) == 1 and err[0].startswith("gpu_smoke: no CUDA device visible")
 
 
-@pytest.mark.parametrize("variant", gpu_smoke.VARIANTS)
+TRAINING_VARIANTS = [v for v in gpu_smoke.VARIANTS if v != "nf4_grads"]  # nf4_grads: a check
+
+
+@pytest.mark.parametrize("variant", TRAINING_VARIANTS)
 def test_variant_overrides_are_valid_config(variant, tmp_path):
     ov = gpu_smoke.variant_overrides(variant, tmp_path / "run", 3, "bfloat16", "tiny")
     cfg = config.load(gpu_smoke.RECIPE, ov)
@@ -44,6 +47,13 @@ def test_missing_requirements_name_the_package(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     assert gpu_smoke.missing_requirements("vllm_nf4") == "vllm is not installed"
     assert gpu_smoke.missing_requirements("hf_nf4") == "bitsandbytes is not installed"
+    assert gpu_smoke.missing_requirements("nf4_grads") == "bitsandbytes is not installed"
+
+
+def test_an_unknown_variant_is_one_line(capsys):
+    assert gpu_smoke.main(["--only", "hf_16bit,hf_nf5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"gpu_smoke: --only: no variant hf_nf5 (have {', '.join(gpu_smoke.VARIANTS)})"]
 
 
 def test_read_metrics(tmp_path):
@@ -161,6 +171,7 @@ def test_wheels_that_cannot_install_are_reported(tmp_path, monkeypatch):
 
 def test_budget_skips_the_rest_when_time_runs_out():
     """A fake clock: each variant takes 200 s of a 450 s budget; the third gets what is left."""
+    assert len(gpu_smoke.VARIANTS) == 6
     now = [0.0]
     timeouts = []
 
@@ -172,7 +183,7 @@ def test_budget_skips_the_rest_when_time_runs_out():
     entries = gpu_smoke.run_within_budget(
         gpu_smoke.VARIANTS, 450, 0.0, run_one, clock=lambda: now[0]
     )
-    assert [e["status"] for e in entries] == ["ok", "ok", "ok"] + [gpu_smoke.OUT_OF_TIME] * 2
+    assert [e["status"] for e in entries] == ["ok", "ok", "ok"] + [gpu_smoke.OUT_OF_TIME] * 3
     assert gpu_smoke.OUT_OF_TIME == "skipped: out of time"
     assert timeouts == [450, 250, 50]  # never more than the time left
     assert entries[3]["reason"] == "0 s left"
@@ -210,3 +221,57 @@ def test_a_variant_child_imports_this_checkout_offline(tmp_path, monkeypatch):
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60,
     )  # fmt: skip
     assert proc.stdout.strip() == str(REPO / "ebpo_lite" / "__init__.py")
+
+
+# ----------------------------------------------------------------------------- the CPU rehearsal
+
+# What the lent GPU machine lacks among ebpo_lite's imports (its package list: the device tool's
+# KINDS.md; bitsandbytes travels as a wheel): the rehearsal's processes see the same gaps
+# (tests/device_like/sitecustomize.py).
+DEVICE_LACKS = "vllm,datasets,math_verify,latex2sympy2_extended"
+
+
+@pytest.mark.slow
+def test_cpu_rehearsal_runs_the_whole_script_as_the_gpu_machine_would(tmp_path):
+    """The script end to end in child processes, on the CPU, with the GPU machine's package
+    gaps: the NF4 gradient check and two training variants pass, vLLM is skipped by name, the
+    result is cpu_rehearsal.json and never a gpu_smoke_*.json. About 30 s."""
+    env = {
+        **os.environ,
+        "EBPO_HIDE_MODULES": DEVICE_LACKS,
+        "PYTHONPATH": str(REPO / "tests" / "device_like"),
+    }
+    cmd = [sys.executable, str(REPO / "scripts" / "gpu_smoke.py"), "--cpu-rehearsal"]
+    cmd += [
+        "--only",
+        "nf4_grads,hf_16bit,hf_nf4,vllm_16bit",
+        "--steps",
+        "2",
+        "--out",
+        str(tmp_path),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [p.name for p in tmp_path.iterdir()] == ["cpu_rehearsal.json"]
+    report = json.loads((tmp_path / "cpu_rehearsal.json").read_text())
+    assert report["rehearsal"] == "cpu" and report["gpu"] is None and report["dtype"] == "float32"
+    assert report["versions"]["vllm"] is None  # the hidden package really was absent
+    by_name = {e["variant"]: e for e in report["variants"]}
+    assert [e["variant"] for e in report["variants"]] == [
+        "nf4_grads", "hf_16bit", "hf_nf4", "vllm_16bit"
+    ]  # fmt: skip
+    assert by_name["vllm_16bit"] == {
+        "variant": "vllm_16bit", "status": "skipped", "reason": "vllm is not installed"
+    }  # fmt: skip
+    check = by_name["nf4_grads"]
+    assert check["status"] == "ok" and check["ok"] and list(check["dtypes"]) == ["float32"]
+    fp32 = check["dtypes"]["float32"]
+    assert fp32["policy"]["four_bit_layers"] == 7 * gpu_smoke.CHECK_SHAPE["num_hidden_layers"]
+    assert fp32["policy"]["worst"] <= 1e-5 and fp32["layer_worst"] <= 1e-5
+    assert len(fp32["layer"]) == 4 * len(gpu_smoke.CHECK_LAYERS)  # every row count, every size
+    for v in ("hf_16bit", "hf_nf4"):
+        e = by_name[v]
+        assert e["status"] == "ok" and [s["step"] for s in e["step_times"]] == [1, 2]
+        assert "model.device=cpu" in e["argv"] and isinstance(e["planned"], dict)
+        assert ("model.load_in_4bit=true" in e["argv"]) == (v == "hf_nf4")
+    assert "gpu_smoke: nf4_grads: ok" in proc.stdout
