@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 
 import ebpo_lite
-from ebpo_lite import catalog, config, plan
+from ebpo_lite import catalog, cli, config, plan
 from ebpo_lite.errors import UserError
 
 PROG = "ebpo-lite"
@@ -88,7 +88,10 @@ def _label(argv: list[str]) -> int:
         print(_unknown(f"a kind of {PROG} label", argv[0], list(LABELS)), file=sys.stderr)
         return 2
     fn = _load(f"label {argv[0]}", LABELS[argv[0]][0])
-    return 2 if fn is None else fn(argv[1:])
+    if fn is None:
+        return 2
+    with cli.front_door(f"{PROG} label {argv[0]}"):
+        return fn(argv[1:])
 
 
 def _memory(info: catalog.RecipeInfo, cfg: config.Config) -> str:
@@ -157,7 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     if command == "recipes":
         return recipes(rest)
     main_fn = _load(command, COMMANDS[command][0])
-    return 2 if main_fn is None else main_fn(rest)
+    if main_fn is None:
+        return 2
+    with cli.front_door(f"{PROG} {command}"):
+        return main_fn(rest)
 
 
 if __name__ == "__main__":

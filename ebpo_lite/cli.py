@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from ebpo_lite.errors import TrainingFault, UserError
+
+_front_door: str | None = None  # `ebpo-lite COMMAND` while ebpo_lite/__main__.py runs one
+
+
+def prog(module_command: str) -> str:
+    """The name a command's usage line shows: how it was started (`ebpo-lite eval`, set by the
+    front door in `__main__.py`), else `module_command` (`python -m ebpo_lite.eval`)."""
+    return _front_door or module_command
+
+
+@contextlib.contextmanager
+def front_door(name: str):
+    """While a command started as `name` (`ebpo-lite eval`) runs, its usage lines say so."""
+    global _front_door
+    before, _front_door = _front_door, name
+    try:
+        yield
+    finally:
+        _front_door = before
 
 
 def quiet_libraries() -> None:

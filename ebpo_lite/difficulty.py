@@ -78,7 +78,7 @@ def label(args: argparse.Namespace) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m ebpo_lite.difficulty",
+        prog=cli.prog("python -m ebpo_lite.difficulty"),
         description="Per-example pass rates of the base policy, as a labels file.",
     )
     p.add_argument("recipe", help="recipe YAML (its model, data and reward are used)")

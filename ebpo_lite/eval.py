@@ -470,7 +470,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m ebpo_lite.eval",
+        prog=cli.prog("python -m ebpo_lite.eval"),
         description="Pass@1 over k samples, maj@k and pass@k of a run or a model on benchmarks.",
     )
     p.add_argument("target", help="training output_dir, RUN/checkpoints/step_N, model dir or id")

@@ -319,7 +319,7 @@ def push(out: Path, repo_id: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m ebpo_lite.export",
+        prog=cli.prog("python -m ebpo_lite.export"),
         description="Export a run's adapter (complete), a model card, optionally merged "
         "weights, optionally to the Hugging Face hub.",
     )

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ebpo_lite import cli
 from ebpo_lite.errors import UserError
 from ebpo_lite.memory import (
     ASSUME_AUTOCAST,
@@ -540,7 +541,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="python -m ebpo_lite.plan", description=__doc__.split("\n")[0])
+    parser = _Parser(prog=cli.prog("python -m ebpo_lite.plan"), description=__doc__.split("\n")[0])
     parser.add_argument("recipe", help="recipe YAML")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     parser.add_argument("--gpu", default="24", help="GPU name or GiB (default 24)")

@@ -267,7 +267,7 @@ def plot_runs(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m ebpo_lite.plot",
+        prog=cli.prog("python -m ebpo_lite.plot"),
         description="PNG figures of one or more runs' metrics.jsonl, runs overlaid.",
     )
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="training output_dir(s)")

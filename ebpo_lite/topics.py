@@ -183,7 +183,7 @@ def write_labels(out: Path, examples: list, topics: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m ebpo_lite.topics",
+        prog=cli.prog("python -m ebpo_lite.topics"),
         description="Topic labels per training example: a dataset field, or embedding k-means.",
     )
     p.add_argument("recipe", help="recipe YAML (its data section is used)")

@@ -57,19 +57,30 @@ def test_every_command_module_has_a_main():
 
 
 @pytest.mark.parametrize(
-    "argv, prog",
+    "argv, module",
     [
-        (["eval", "--help"], "python -m ebpo_lite.eval"),
-        (["plan", "--help"], "python -m ebpo_lite.plan"),
-        (["label", "difficulty", "--help"], "python -m ebpo_lite.difficulty"),
-        (["label", "topics", "--help"], "python -m ebpo_lite.topics"),
+        (["eval", "--help"], "ebpo_lite.eval"),
+        (["plan", "--help"], "ebpo_lite.plan"),
+        (["label", "difficulty", "--help"], "ebpo_lite.difficulty"),
+        (["label", "topics", "--help"], "ebpo_lite.topics"),
     ],
 )
-def test_commands_reach_their_module(argv, prog, capsys):
+def test_commands_reach_their_module_and_say_how_they_were_started(argv, module, capsys):
+    """Through the front door the usage line names `ebpo-lite ...`; run as a module, `python -m`."""
+    from ebpo_lite import cli
+
     with pytest.raises(SystemExit) as e:  # argparse's --help exits 0
         main(argv)
     assert e.value.code == 0
-    assert f"usage: {prog}" in capsys.readouterr().out
+    front = capsys.readouterr().out
+    assert front.startswith(f"usage: ebpo-lite {' '.join(argv[:-1])} ")
+    assert cli.prog("x") == "x"  # the front door's name does not outlive the command
+    with pytest.raises(SystemExit):
+        importlib.import_module(module).main(["--help"])
+    direct = capsys.readouterr().out
+    assert direct.startswith(f"usage: python -m {module} ")
+    # the same parser behind both names: the same text after the usage block
+    assert front.split("\n\n", 1)[1] == direct.split("\n\n", 1)[1]
 
 
 def test_plan_runs_through_the_front_door_with_a_recipe_name(capsys):
