@@ -170,7 +170,10 @@ def _shared_prompt_logits(model, batch: Batch) -> torch.Tensor:
         logits_to_keep=width_c,  # every position of the [N, C] input: no slice, no copy
         use_cache=True,
     )
-    return torch.cat([head.logits[index], tail.logits], dim=1)  # [N, C + 1, V]
+    # index_select, not head.logits[index]: on CPU the latter's backward adds rows concurrently
+    # from the threads (index_put_ with accumulate), so the same step gave other round-off
+    first = head.logits.index_select(0, index)  # [N, 1, V]
+    return torch.cat([first, tail.logits], dim=1)  # [N, C + 1, V]
 
 
 def _checkpointing(model) -> bool:
