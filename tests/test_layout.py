@@ -5,6 +5,8 @@ and no import circle between the package's modules (imports inside functions cou
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 
 from tests.conftest import REPO
 
@@ -93,3 +95,21 @@ def test_no_import_circle_between_modules():
 def test_the_circle_finder_finds_a_circle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_front_door_and_the_package_import_without_torch():
+    """`ebpo-lite --help`, `recipes` and the package itself start in a tenth of a second: no torch
+    (about 1 s to import) until a module or name that needs it; the estimators still import."""
+    code = (
+        "import sys, ebpo_lite, ebpo_lite.__main__\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "from ebpo_lite import EBPrior, ebpo_advantages\n"
+        "assert ebpo_advantages.__module__ == 'ebpo_lite.advantages' and 'torch' in sys.modules\n"
+        "try:\n"
+        "    ebpo_lite.no_such_name\n"
+        "except AttributeError as e:\n"
+        "    print(e)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "module 'ebpo_lite' has no attribute 'no_such_name'"
