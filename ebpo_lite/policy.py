@@ -358,8 +358,9 @@ class Policy:
             trust_remote_code=m.trust_remote_code,
             attn_implementation=resolve_attn(m.attn_implementation, device, dtype),
         )
-        if m.load_in_4bit:
+        if m.load_in_4bit:  # quantised where it loads: on model.device, not cuda's current one
             kwargs["quantization_config"] = _nf4_config(dtype)
+            kwargs["device_map"] = {"": str(device)}
         try:
             tokenizer = AutoTokenizer.from_pretrained(
                 base_path, trust_remote_code=m.trust_remote_code
