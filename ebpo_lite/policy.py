@@ -170,10 +170,8 @@ def _shared_prompt_logits(model, batch: Batch) -> torch.Tensor:
         logits_to_keep=width_c,  # every position of the [N, C] input: no slice, no copy
         use_cache=True,
     )
-    # index_select, not head.logits[index]: on CPU the latter's backward adds rows concurrently
-    # from the threads (index_put_ with accumulate), so the same step gave other round-off
-    first = head.logits.index_select(0, index)  # [N, 1, V]
-    return torch.cat([first, tail.logits], dim=1)  # [N, C + 1, V]
+    # index_select: logits[index]'s CPU backward adds rows from all threads at once (random order)
+    return torch.cat([head.logits.index_select(0, index), tail.logits], dim=1)  # [N, C + 1, V]
 
 
 def _checkpointing(model) -> bool:
@@ -358,9 +356,8 @@ class Policy:
             trust_remote_code=m.trust_remote_code,
             attn_implementation=resolve_attn(m.attn_implementation, device, dtype),
         )
-        if m.load_in_4bit:  # quantised where it loads: on model.device, not cuda's current one
-            kwargs["quantization_config"] = _nf4_config(dtype)
-            kwargs["device_map"] = {"": str(device)}
+        if m.load_in_4bit:  # quantised on model.device (else on CUDA's current device)
+            kwargs.update(quantization_config=_nf4_config(dtype), device_map={"": str(device)})
         try:
             tokenizer = AutoTokenizer.from_pretrained(
                 base_path, trust_remote_code=m.trust_remote_code
