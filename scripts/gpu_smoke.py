@@ -60,6 +60,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # runs from a checkout: ebpo_lite need not be installed
     sys.path.insert(0, str(REPO))
+# nf4_grads' model and layers (wider than the tiny model: see ebpo_lite/qlora_check.py)
+from ebpo_lite.qlora_check import LARGE_LAYERS as CHECK_LAYERS  # noqa: E402
+from ebpo_lite.qlora_check import LARGE_SHAPE as CHECK_SHAPE  # noqa: E402
+
 OFFLINE_ENV = {  # no internet on the GPU machine: fail fast instead of waiting on the network
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
@@ -68,17 +72,6 @@ OFFLINE_ENV = {  # no internet on the GPU machine: fail fast instead of waiting 
 }
 RECIPE = REPO / "recipes" / "tiny_cpu.yaml"
 VARIANTS = ("nf4_grads", "hf_16bit", "hf_nf4", "vllm_16bit", "vllm_nf4", "unsloth")
-# nf4_grads' random Qwen3: wider than the tiny model so that the 4-bit layers meet the weight
-# sizes at which bitsandbytes' CUDA dispatch changes kernel (ebpo_lite/qlora_check.py)
-CHECK_SHAPE = dict(
-    num_hidden_layers=4,
-    hidden_size=1024,
-    intermediate_size=2816,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=64,
-)
-CHECK_LAYERS = ((1024, 1024), (1024, 4096), (4096, 1024))  # one layer's (in, out) sizes
 BUDGET_S = 450  # the whole run, wheels included: under 8 minutes with room to write the result
 MIN_VARIANT_S = 45  # less time left than this: the remaining variants are skipped
 OUT_OF_TIME = "skipped: out of time"

@@ -8,7 +8,8 @@ at its first eval-mode no-grad forward, after which the layer passes no gradient
 that fix switched off and see it fail.
 
 Measured on CPU (2-layer random Qwen3, hidden 128): fp32 LoRA gradients bit-identical (bound
-1e-5); bf16 worst 0.024 (bound 0.06; bf16 vs fp32 of the dequantized policy alone: 0.020);
+1e-5); bf16 worst 0.024 against a noise floor of 0.019 (bf16 vs fp32 of the dequantized policy
+alone; bound 3x that);
 checkpointing on vs off identical (bound 1e-6); one layer identical at 1, 4, 64 and 2048 rows.
 With the repacking on, layer 0's LoRA gradients are off by about 0.9 and a layer's input
 gradient is missing.
@@ -47,11 +48,16 @@ def repacking_on(monkeypatch):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_lora_gradients_through_nf4_equal_the_dequantized_base(model_dir, dtype):
     r = qlora_check.policy_errors(model_dir, "cpu", dtype)
-    print(f"{dtype}: worst {r['worst']:.2e} ({r['worst_tensor']}), layer 0 {r['bottom_worst']:.2e}")
+    print(f"{dtype}: worst {r['worst']:.2e} ({r['worst_tensor']}), floor {r['noise_floor']:.2e}")
     assert r["four_bit_layers"] == 14  # q, k, v, o, gate, up, down in each of the 2 layers
-    assert r["tensors"] == 28 and r["worst"] <= qlora_check.TOL[dtype], r["worst_tensor"]
+    if dtype == "float32":
+        assert r["noise_floor"] == 0 and r["bound"] == qlora_check.TOL_FP32
+    else:  # bf16 rounding alone moves these gradients by about 0.02 (module docstring)
+        assert 0.005 < r["noise_floor"] < 0.05
+        assert r["bound"] == qlora_check.FLOOR_FACTOR * r["noise_floor"]
+    assert r["tensors"] == 28 and r["worst"] <= r["bound"], r["worst_tensor"]
     # layer 0's LoRA A gets its gradient through every 4-bit layer above it: nonzero, and right
-    assert r["bottom_min_norm"] > 0.1 and r["bottom_worst"] <= qlora_check.TOL[dtype]
+    assert r["bottom_min_norm"] > 0.1 and r["bottom_worst"] <= r["bound"]
     assert r["checkpointing"]["worst"] <= qlora_check.TOL_CKPT  # on vs off: the same gradients
     assert r["repacked_for_cpu_gemv"] == 0 and r["ok"]
     if dtype == "float32":  # the sampling path too: same logits, so the same seeded samples
@@ -62,7 +68,7 @@ def test_the_check_fails_when_the_base_drops_its_input_gradient(model_dir, repac
     with pytest.warns(UserWarning, match="gemv_4bit: an autograd kernel was not registered"):
         r = qlora_check.policy_errors(model_dir, "cpu", "bfloat16")
     assert r["repacked_for_cpu_gemv"] == 14 and not r["ok"]
-    assert r["bottom_worst"] > 5 * qlora_check.TOL["bfloat16"]
+    assert r["bottom_worst"] > 5 * r["bound"]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
