@@ -275,8 +275,7 @@ def policy_errors(model_dir, device: str = "cpu", dtype: str = "float32", log=No
         sampled, ref_sampled = sample_and_score(policy), sample_and_score(ref)
         got, want = rl_gradients(policy), rl_gradients(ref)
         floor = 0.0
-        if ref32 is not None:
-            sample_and_score(ref32)
+        if ref32 is not None:  # no 4-bit layer in it: nothing for a sampling pass to repack
             floor = gradient_report(want, rl_gradients(ref32), 1.0)["worst"]
             del ref32
         report = gradient_report(got, want, FLOOR_FACTOR * floor if floor else TOL_FP32)
@@ -339,7 +338,13 @@ def summary_lines(result: dict) -> list[str]:
         p = d["policy"]
         lines.append(
             f"{dtype}: one layer worst {d['layer_worst']:.1e} (bound {d['layer_bound']:.0e}); "
-            f"LoRA gradients NF4 vs dequantized worst {p['worst']:.1e} (bound {p['bound']:.1e}), "
+            f"LoRA gradients NF4 vs dequantized worst {p['worst']:.1e} (bound {p['bound']:.1e}"
+            + (
+                f" = {FLOOR_FACTOR:g} x noise floor {p['noise_floor']:.1e}"
+                if p["noise_floor"]
+                else ""
+            )
+            + "), "
             f"layer 0 {p['bottom_worst']:.1e}; checkpointing on vs off "
             f"{p['checkpointing']['worst']:.1e} (bound {TOL_CKPT:.0e}): "
             + ("ok" if d["ok"] else "FAILED")

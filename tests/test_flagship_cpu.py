@@ -78,13 +78,9 @@ SHRUNK = {
 @pytest.fixture(scope="module")
 def small_qwen3(tmp_path_factory) -> Path:
     """Qwen3 in miniature: 2 layers, hidden 256, 8 query / 2 key-value heads of 32, random init."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from ebpo_lite.tiny import save_random_qwen3
 
-    from ebpo_lite.tiny import build_tokenizer, tiny_config_kwargs
-
-    out = tmp_path_factory.mktemp("small_qwen3")
-    kwargs = {
-        **tiny_config_kwargs(),  # vocab 128 and the special ids of the tiny tokenizer
+    shape = {  # over tiny_config_kwargs: vocab 128 and the special ids of the tiny tokenizer
         "hidden_size": 256,
         "intermediate_size": 768,
         "num_hidden_layers": 2,
@@ -94,10 +90,7 @@ def small_qwen3(tmp_path_factory) -> Path:
         "max_position_embeddings": 1024,  # >= 256 prompt + 512 completion tokens
         "tie_word_embeddings": False,
     }
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(Qwen3Config(**kwargs)).save_pretrained(out)
-    build_tokenizer().save_pretrained(out)
-    return out
+    return save_random_qwen3(tmp_path_factory.mktemp("small_qwen3"), **shape)
 
 
 def _cfg(model_dir: Path, backend: str, out: Path, **extra) -> config.Config:
