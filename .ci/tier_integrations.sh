@@ -20,13 +20,14 @@ if [[ "${KEEP_VENV:-0}" != "1" || ! -x "$VENV/bin/python" ]]; then
   "$PY" -m venv "$VENV"
   # torch first, alone: the local CPU wheel. Anything else first could pull a CUDA torch.
   "$VENV/bin/pip" install -q --upgrade pip
-  "$VENV/bin/pip" install -q torch==2.13.0
+  # --no-compile: no .pyc for every installed file; the modules a test imports compile on import
+  "$VENV/bin/pip" install -q --no-compile torch==2.13.0
   # verl 0.9.1 imports cachetools, uvicorn, fastapi without declaring them; ray, tensordict and
   # omegaconf are needed by verl.trainer.ppo.core_algos. transformers resolves to < 5.11 (verl's pin).
-  "$VENV/bin/pip" install -q "verl==0.9.1" "trl>=1.16,<1.17" "peft>=0.17" \
+  "$VENV/bin/pip" install -q --no-compile "verl==0.9.1" "trl>=1.16,<1.17" "peft>=0.17" \
     "transformers>=5.5.3,<5.11,!=5.6.0" cachetools uvicorn fastapi ray tensordict omegaconf \
     pytest hypothesis
-  "$VENV/bin/pip" install -q -e . --no-deps
+  "$VENV/bin/pip" install -q --no-compile -e . --no-deps
   # verl 0.9.1's wheel installs a top-level `tests` package into site-packages; a regular package
   # there wins over this repo's tests/ folder (no __init__.py) and breaks `from tests.conftest ...`.
   rm -rf "$VENV"/lib/python3*/site-packages/tests
