@@ -58,7 +58,7 @@ if [[ "${BUILD_ONLY:-0}" == "1" ]]; then exit 0; fi
 report=$(mktemp)
 trap 'rm -f "$report"' EXIT
 set +e
-"$VENV/bin/python" -m pytest -m vllm tests -q -p no:cacheprovider -rs --junitxml="$report"
+"$VENV/bin/python" -m pytest -m vllm tests -q -p no:cacheprovider -rs --durations=10 --junitxml="$report"
 rc=$?
 set -e
 t2=$(date +%s)
