@@ -20,7 +20,7 @@ if [[ "${KEEP_VENV:-0}" != "1" || ! -x "$VENV/bin/python" ]]; then
   "$PY" -m venv "$VENV"
   # torch first, alone: the local CPU wheel. Anything else first could pull a CUDA torch.
   "$VENV/bin/pip" install -q --upgrade pip
-  # --no-compile: no .pyc for every installed file; the modules a test imports compile on import
+  # --no-compile: the modules a test imports compile on import (see .ci/run)
   "$VENV/bin/pip" install -q --no-compile torch==2.13.0
   # verl 0.9.1 imports cachetools, uvicorn, fastapi without declaring them; ray, tensordict and
   # omegaconf are needed by verl.trainer.ppo.core_algos. transformers resolves to < 5.11 (verl's pin).

@@ -25,8 +25,7 @@ if [[ "${KEEP_VENV:-0}" != "1" || ! -x "$VENV/bin/python" ]]; then
   if [[ ! -f "$LOCK" ]]; then echo "tier_vllm: lock file $LOCK not found" >&2; exit 1; fi
   rm -rf "$VENV"
   "$PY" -m venv "$VENV"
-  # --no-compile: no .pyc for every installed file (torch alone: 21 s of CPU against 6 s); the
-  # modules a test imports compile on first import
+  # --no-compile: the modules a test imports compile on import (see .ci/run)
   pip_q() { "$VENV/bin/pip" install -q --disable-pip-version-check --no-compile "$@"; }
   # torch first, alone: the local CPU wheel. Anything else first could pull a CUDA torch.
   pip_q torch==2.13.0
