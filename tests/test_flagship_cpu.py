@@ -82,9 +82,9 @@ def small_qwen3(tmp_path_factory) -> Path:
 
     Heads x head size (256) exceeds the hidden size, as in Qwen3-0.6B (16 x 128 over 1024): q_proj
     and o_proj are not square, and GQA keeps 2 key-value heads so a wrong head grouping shows.
-    Hidden 128 rather than 256 (a quarter of the linear layers' weights) for CI's time: on CPUs
-    without AVX512-BF16, bf16 matmuls run a generic kernel and this test took 467 s of a 40-minute
-    CI at hidden 256.
+    Hidden 128 rather than 256 (the MLP's weights a quarter, the attention projections' a half)
+    for CI's time: on CPUs without AVX512-BF16, bf16 matmuls run a generic kernel and this test
+    took 467 s of a 40-minute CI at hidden 256.
     """
     from ebpo_lite.tiny import save_random_qwen3
 
