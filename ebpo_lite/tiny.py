@@ -17,6 +17,7 @@ one rule shared by all problems, what it unlearns on training problems shows on 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -101,13 +102,43 @@ def cache_root() -> Path:
 
 def warm_tiny_model(steps: int, seed: int, data_seed: int, log=print) -> Path:
     """Return a folder holding the tiny model after `steps` of supervised warm-up (cached)."""
-    key = json.dumps(dict(v=TINY_VERSION, steps=steps, seed=seed, data_seed=data_seed))
-    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    out = cache_root() / f"tiny-{digest}"
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+    out = warm_cache_dir(steps, seed, data_seed)
+    if _is_saved(out):
         return out
-    with torch.random.fork_rng(devices=[]):  # a cache miss must not change the caller's RNG
-        return _warm_and_save(out, steps, seed, data_seed, log)
+    # One warm-up per cache entry, not one per process: a second run started meanwhile (CI's
+    # side-by-side tiers, a labelling job beside training) waits for the first and loads its copy.
+    with _exclusive(out.with_name(out.name + ".lock"), log):
+        if _is_saved(out):
+            return out
+        with torch.random.fork_rng(devices=[]):  # a cache miss must not change the caller's RNG
+            return _warm_and_save(out, steps, seed, data_seed, log)
+
+
+def warm_cache_dir(steps: int, seed: int, data_seed: int) -> Path:
+    key = json.dumps(dict(v=TINY_VERSION, steps=steps, seed=seed, data_seed=data_seed))
+    return cache_root() / f"tiny-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def _is_saved(out: Path) -> bool:
+    return (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+
+
+@contextlib.contextmanager
+def _exclusive(lock: Path, log):
+    """Hold an exclusive lock on the file `lock` (POSIX flock; released if the process dies)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no lock; the atomic rename still keeps the cache whole
+        yield
+        return
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"tiny model: another process is warming it up; waiting for it (lock {lock})")
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        yield  # closing the file releases the lock
 
 
 def _warm_and_save(out: Path, steps: int, seed: int, data_seed: int, log) -> Path:

@@ -113,3 +113,34 @@ def test_per_type_means_and_the_learned_lines():
     assert lines[1] == "  by topic (greedy): add 0.50 -> 1.00 | mul 0.00 -> 0.50"
     assert lines[2] == "  by difficulty (greedy): 1 0.50 -> 1.00 | 2 0.00 -> 0.50"
     assert math.isnan(per_type_means("eval/accuracy", [None], exs[:1])["eval/accuracy"])
+
+
+def test_a_second_process_waits_for_the_warmup_and_loads_its_copy(tmp_path, monkeypatch):
+    """While one process holds a warm-up's lock, another asking for it waits, then reuses it.
+
+    Without the lock the second process would train its own copy (and print the warm-up line).
+    """
+    fcntl = pytest.importorskip("fcntl", reason="the warm-up lock is POSIX flock")
+    import subprocess
+    import sys
+
+    from ebpo_lite import tiny
+
+    monkeypatch.setenv("EBPO_LITE_CACHE", str(tmp_path))
+    out = tiny.warm_cache_dir(3, 0, 1)
+    code = "from ebpo_lite.tiny import warm_tiny_model; print('->', warm_tiny_model(3, 0, 1))"
+    with open(out.with_name(out.name + ".lock"), "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as the first process does while it trains
+        proc = subprocess.Popen(
+            [sys.executable, "-u", "-c", code], stdout=subprocess.PIPE, text=True
+        )
+        first = proc.stdout.readline()
+        assert "waiting for it" in first, first  # blocked, and says so
+        logs = []
+        tiny._warm_and_save(out, 3, 0, 1, logs.append)  # the first process finishes ...
+        stamp = (out / "model.safetensors").stat().st_mtime_ns
+    rest, _ = proc.communicate(timeout=120)  # ... and lets go
+    assert proc.returncode == 0
+    assert "supervised warm-up" in logs[0] and "supervised warm-up" not in rest
+    assert rest.strip() == f"-> {out}"
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp
