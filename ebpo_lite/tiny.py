@@ -107,11 +107,11 @@ def warm_tiny_model(steps: int, seed: int, data_seed: int, log=print) -> Path:
         return out
     # One warm-up per cache entry, not one per process: a second run started meanwhile (CI's
     # side-by-side tiers, a labelling job beside training) waits for the first and loads its copy.
-    with _exclusive(out.with_name(out.name + ".lock"), log):
-        if _is_saved(out):
+    # fork_rng: a cache miss must not change the caller's RNG.
+    with _exclusive(out.with_name(out.name + ".lock"), log), torch.random.fork_rng(devices=[]):
+        if _is_saved(out):  # saved by the process we waited for
             return out
-        with torch.random.fork_rng(devices=[]):  # a cache miss must not change the caller's RNG
-            return _warm_and_save(out, steps, seed, data_seed, log)
+        return _warm_and_save(out, steps, seed, data_seed, log)
 
 
 def warm_cache_dir(steps: int, seed: int, data_seed: int) -> Path:
@@ -160,7 +160,7 @@ def _warm_and_save(out: Path, steps: int, seed: int, data_seed: int, log) -> Pat
     tokenizer.save_pretrained(tmp)
     try:
         tmp.rename(out)
-    except OSError:  # another process won the race: use its copy
+    except OSError:  # another process won the race (only where there is no flock): use its copy
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)

@@ -123,6 +123,7 @@ def test_a_second_process_waits_for_the_warmup_and_loads_its_copy(tmp_path, monk
     fcntl = pytest.importorskip("fcntl", reason="the warm-up lock is POSIX flock")
     import subprocess
     import sys
+    import threading
 
     from ebpo_lite import tiny
 
@@ -134,7 +135,11 @@ def test_a_second_process_waits_for_the_warmup_and_loads_its_copy(tmp_path, monk
         proc = subprocess.Popen(
             [sys.executable, "-u", "-c", code], stdout=subprocess.PIPE, text=True
         )
+        # A second process that blocked without a word would hang readline: kill it, and fail.
+        guard = threading.Timer(120, proc.kill)
+        guard.start()
         first = proc.stdout.readline()
+        guard.cancel()
         assert "waiting for it" in first, first  # blocked, and says so
         logs = []
         tiny._warm_and_save(out, 3, 0, 1, logs.append)  # the first process finishes ...
