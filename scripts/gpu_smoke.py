@@ -24,7 +24,7 @@ recipes/tiny_cpu.yaml moved to the GPU (model.device=cuda):
     vllm_nf4    + NF4 base in trainer and vLLM             skipped without vllm or bitsandbytes
     unsloth     Unsloth sampler                            skipped when unsloth is missing
 
-The model is built locally: `tiny` (1.25 M parameters, warmed up for a few hundred supervised
+The model is built locally: `tiny` (0.53 M parameters, warmed up for a few hundred supervised
 steps first, so rewards are not all zero) or `small` (a 8-layer, 1024-wide Qwen3 with the tiny
 character tokenizer, random weights, saved to a temporary folder). Each variant records: its
 status (ok / failed / skipped and why), wall time, per-step times (time/rollout_s, time/train_s),
@@ -78,7 +78,7 @@ OUT_OF_TIME = "skipped: out of time"
 
 
 def missing_requirements(variant: str) -> str | None:
-    """Why a variant cannot run here (a missing package or backend module), or None."""
+    """Why a variant cannot run here (the missing package), or None."""
     needs = {
         "nf4_grads": ["bitsandbytes"],
         "hf_nf4": ["bitsandbytes"],
@@ -89,8 +89,6 @@ def missing_requirements(variant: str) -> str | None:
     for pkg in needs:
         if importlib.util.find_spec(pkg) is None:
             return f"{pkg} is not installed"
-    if variant == "unsloth" and not (REPO / "ebpo_lite" / "rollout" / "unsloth.py").is_file():
-        return "ebpo_lite has no unsloth backend module"
     return None
 
 

@@ -89,11 +89,11 @@ def load_unsloth_policy(cfg: Config, log: Callable[[str], None] = print) -> Poli
             "model.trainable_extra: not supported with rollout.backend=unsloth "
             "(the base weights are shared with its vLLM engine); leave it empty"
         )
+    base_path = m.name  # the tiny model: its warmed-up folder, as the other backends load it
     if m.name == "tiny":
-        raise ConfigError(
-            "model.name: the built-in tiny model is for CPU runs; "
-            "rollout.backend=unsloth needs a hub model or a local folder"
-        )
+        from ebpo_lite.tiny import warm_tiny_model
+
+        base_path = str(warm_tiny_model(m.sft_warmup_steps, m.sft_seed, cfg.data.seed, log))
     device = resolve_device(m.device)
     dtype = resolve_dtype(m.dtype, device)
     max_len = derive_max_model_len(
@@ -105,7 +105,7 @@ def load_unsloth_policy(cfg: Config, log: Callable[[str], None] = print) -> Poli
     )
     try:
         model, tokenizer = FastLanguageModel.from_pretrained(
-            model_name=m.name,
+            model_name=base_path,
             max_seq_length=max_len,
             dtype=dtype,
             load_in_4bit=m.load_in_4bit,
@@ -115,7 +115,7 @@ def load_unsloth_policy(cfg: Config, log: Callable[[str], None] = print) -> Poli
             random_state=cfg.train.seed,
         )
     except OSError as e:
-        raise UserError(f"model.name: Unsloth cannot load {m.name!r} ({e})") from None
+        raise UserError(f"model.name: Unsloth cannot load {base_path!r} ({e})") from None
     targets = (
         ALL_LINEAR if list(m.lora_target_modules) == ["all-linear"] else list(m.lora_target_modules)
     )
