@@ -130,3 +130,34 @@ def cuda_name(device: torch.device) -> str | None:
     if device.type != "cuda" or not _cuda_available():
         return None
     return str(torch.cuda.get_device_name(device))
+
+
+class StepMemory:
+    """One step's GPU memory for metrics.jsonl; on CPU it records nothing (no keys at all).
+
+    `mark(phase)` records `memory/<phase>_used_gb`: the trainer GPU's used memory at that moment,
+    from the driver (every process and pool counted: vLLM's weights and KV cache, its sleep-mode
+    residue, the CUDA context, which torch's counters miss). `metrics()` adds torch's own peaks
+    since the step began (`memory/peak_allocated_gb`, `memory/peak_reserved_gb`). CHECKED ONLY ON
+    A GPU (scripts/gpu_smoke.py reads them to check ebpo_lite/plan.py's constants).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device, self.seen = device, {}
+        self.on = device.type == "cuda" and _cuda_available()
+        if self.on:
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def mark(self, phase: str) -> None:
+        if self.on:
+            free, total = torch.cuda.mem_get_info(self.device)
+            self.seen[f"memory/{phase}_used_gb"] = (total - free) / 2**30
+
+    def metrics(self) -> dict[str, float]:
+        if not self.on:
+            return {}
+        return {
+            **self.seen,
+            "memory/peak_allocated_gb": torch.cuda.max_memory_allocated(self.device) / 2**30,
+            "memory/peak_reserved_gb": torch.cuda.max_memory_reserved(self.device) / 2**30,
+        }

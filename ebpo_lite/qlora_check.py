@@ -37,7 +37,10 @@ Bounds (relative L2 error per tensor; measured values in docs/qlora.md and tests
   on a GPU); the rest is room for a kernel that accumulates partly in 16 bits. A wrong block
   scale, a transposed weight or a dropped gradient is O(1).
 - Gradient checkpointing on vs off: the recomputed forward is the same computation: 1e-6 (eager
-  attention, so no attention kernel with atomic adds differs between the two runs).
+  attention, so no attention kernel with atomic adds differs between the two runs), or 3x the
+  run-to-run spread of the same backward run twice where that is larger (`run_to_run`: 0 on CPU;
+  a CUDA kernel that reduces with atomic adds is not bit-reproducible). A recomputation that
+  loses or changes a gradient is O(1) either way.
 
 Runs on CPU in tests/test_nf4.py (default suite) and on CUDA as the first variant of
 scripts/gpu_smoke.py. Needs bitsandbytes. Exit status 0 when every number is within its bound.
@@ -283,7 +286,12 @@ def policy_errors(model_dir, device: str = "cpu", dtype: str = "float32", log=No
         ckpt = nf4_policy(model_dir, tmp, device, dtype, ckpt=True, log=log)
         ckpt.load_trainable_state(policy.trainable_state())
         sample_and_score(ckpt)
-        report["checkpointing"] = gradient_report(rl_gradients(ckpt), got, TOL_CKPT)
+        # the bound: fp32 round-off, or 3x the run-to-run spread of the same backward where the
+        # device's kernels are not deterministic (a CUDA kernel may reduce with atomic adds)
+        spread = gradient_report(rl_gradients(policy), got, 1.0)["worst"]
+        bound = max(TOL_CKPT, FLOOR_FACTOR * spread)
+        report["checkpointing"] = gradient_report(rl_gradients(ckpt), got, bound)
+        report["checkpointing"]["run_to_run"] = spread
         layers = four_bit_layers(policy).values()
         report["four_bit_layers"] = len(layers)
         report["repacked_for_cpu_gemv"] = sum(
@@ -346,7 +354,7 @@ def summary_lines(result: dict) -> list[str]:
             )
             + "), "
             f"layer 0 {p['bottom_worst']:.1e}; checkpointing on vs off "
-            f"{p['checkpointing']['worst']:.1e} (bound {TOL_CKPT:.0e}): "
+            f"{p['checkpointing']['worst']:.1e} (bound {p['checkpointing']['bound']:.0e}): "
             + ("ok" if d["ok"] else "FAILED")
         )
     return lines

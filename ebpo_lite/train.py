@@ -22,6 +22,7 @@ import torch
 
 from ebpo_lite import checkpoint, cli, config, faults, rewards
 from ebpo_lite.advantages import frac_zero_std_groups
+from ebpo_lite.device import StepMemory
 from ebpo_lite.metrics import Metrics
 from ebpo_lite.run import Run, build_run
 from ebpo_lite.train_eval import evaluate_policy
@@ -33,9 +34,11 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     # 1. sample prompts and G completions each (prompt-major rows: i * G + g); the curriculum
     #    sees every drawn group, dynamic sampling keeps the informative ones
     t0 = time.perf_counter()
+    gpu = StepMemory(policy.device)  # GPU memory per phase: nothing on CPU
     run.backend.wake()  # the sampler's memory back, once for all draws
     sample = run.sample_and_score(step)
     rollout, rewards, mask = sample.rollout, sample.rewards, sample.mask  # rewards/mask [B, G]
+    gpu.mark("rollout")  # sampler awake
     run.backend.sleep()  # and freed for training
     t_rollout = time.perf_counter() - t0
     # 2. the EB prior observes every drawn group, then advantages for the kept ones. From here a
@@ -51,6 +54,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         prompts = [rollout.prompt_ids[i // G] for i in range(len(rollout.completion_ids))]
         loss_stats = run.optimize(prompts, rollout, adv.reshape(-1), mask.reshape(-1))
         t_train = time.perf_counter() - t1
+        gpu.mark("train")  # sampler asleep
     except faults.NonFinite:
         undo.restore()
         raise
@@ -78,6 +82,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         "time/rollout_s": t_rollout,
         "time/train_s": t_train,
         "time/sync_s": t_sync,
+        **gpu.metrics(),
     }
 
 

@@ -27,12 +27,16 @@ recipes/tiny_cpu.yaml moved to the GPU (model.device=cuda):
 The model is built locally: `tiny` (0.53 M parameters, warmed up for a few hundred supervised
 steps first, so rewards are not all zero) or `small` (a 8-layer, 1024-wide Qwen3 with the tiny
 character tokenizer, random weights, saved to a temporary folder). Each variant records: its
-status (ok / failed / skipped and why), wall time, per-step times (time/rollout_s, time/train_s),
-peak memory (torch.cuda.max_memory_allocated / max_memory_reserved), the device's used memory at
-the end (vLLM's sleep-mode pool is outside torch's counters), the sampler / trainer log-prob gap
-(rollout/logp_diff_max from <output_dir>/metrics.jsonl; none for the transformers sampler,
-which is the trainer itself), the mean reward, and the memory
-planner's estimate for the same config (to calibrate ebpo_lite/plan.py's constants).
+status (ok / failed / skipped and why, timed_out), wall time, per-step times (time/rollout_s,
+time/train_s), peak memory (torch.cuda.max_memory_allocated / max_memory_reserved), the GPU's
+used memory per phase, largest over the steps (memory/rollout_used_gb with the sampler awake,
+memory/train_used_gb with it asleep: from the driver, so vLLM's pools, which torch's counters
+miss, are in them), the sampler / trainer log-prob gap (rollout/logp_diff_max from
+<output_dir>/metrics.jsonl; none for the transformers sampler, which is the trainer itself), the
+mean reward, and the memory planner's estimate for the same config (generation_phase_gb and
+training_phase_gb against those two, to calibrate ebpo_lite/plan.py's constants). The report is
+rewritten after each variant (`"complete": false` until the last), so a run cut short keeps what
+finished.
 
 Writes benchmarks/results/gpu_smoke_<gpu>.json. Exit status: 0 all that ran passed, 1 a variant
 failed (or a wheel failed to install), 2 no CUDA device (this script refuses to run on CPU, and
@@ -48,6 +52,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import platform
 import re
@@ -132,7 +137,9 @@ def install_wheels(folder: Path, target: Path | None = None) -> dict:
         if proc.returncode == 0:
             out["installed"] = missing
         else:
-            out["failed"] = (proc.stdout + proc.stderr).strip()[-2000:]
+            out["failed"] = (proc.stdout + proc.stderr).strip()[-2000:] or (
+                f"pip exited {proc.returncode} with no output"
+            )
     if target:
         target.mkdir(parents=True, exist_ok=True)
         if str(target) not in sys.path:
@@ -200,8 +207,15 @@ def variant_overrides(
 
 
 def read_metrics(path: Path) -> dict:
-    """Per-step times, the largest sampler/trainer log-prob gap and rewards from metrics.jsonl."""
-    steps, gaps, rewards = [], [], []
+    """Per-step times, the largest sampler/trainer log-prob gap, rewards and the GPU's memory per
+    phase (each `memory/*` key's largest value over the steps) from metrics.jsonl. Non-finite
+    numbers are left out: the result stays strict JSON."""
+    steps, gaps, rewards, memory = [], [], [], {}
+
+    def number(rec: dict, key: str) -> float | None:
+        v = rec.get(key)
+        return v if isinstance(v, (int, float)) and math.isfinite(v) else None
+
     if path.is_file():
         for line in path.read_text().splitlines():
             rec = json.loads(line)
@@ -213,15 +227,20 @@ def read_metrics(path: Path) -> dict:
                         "train_s": rec.get("time/train_s"),
                     }
                 )
-            if isinstance(rec.get("rollout/logp_diff_max"), (int, float)):
+            for key in rec:
+                if key.startswith("memory/") and number(rec, key) is not None:
+                    name = key.removeprefix("memory/")
+                    memory[name] = max(memory.get(name, 0.0), rec[key])
+            if number(rec, "rollout/logp_diff_max") is not None:
                 gaps.append(rec["rollout/logp_diff_max"])
-            if isinstance(rec.get("train/reward_mean"), (int, float)):
+            if number(rec, "train/reward_mean") is not None:
                 rewards.append(rec["train/reward_mean"])
     return {
         "step_times": steps,
         "logp_diff_max": max(gaps) if gaps else None,
         "logp_diff_max_last": gaps[-1] if gaps else None,
         "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+        "memory_per_step_max": memory or None,
     }
 
 
@@ -409,6 +428,15 @@ def main(argv: list[str] | None = None) -> int:
         "wheels": wheels,
         "variants": [],
     }
+    name = re.sub(r"[^A-Za-z0-9]+", "_", facts["gpu"] or "").strip("_")
+    out = Path(args.out) / (f"gpu_smoke_{name}.json" if device == "cuda" else "cpu_rehearsal.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(complete: bool) -> None:
+        """The report so far; rewritten after each variant, so a run cut short keeps its results."""
+        report.update(complete=complete, wall_s=time.monotonic() - started)
+        out.write_text(json.dumps(strict_json(report), indent=2, allow_nan=False) + "\n")
+
     with tempfile.TemporaryDirectory(prefix="ebpo_gpu_smoke_") as tmp:
         model = build_small_model(Path(tmp) / "small") if args.model == "small" else "tiny"
 
@@ -416,18 +444,17 @@ def main(argv: list[str] | None = None) -> int:
             reason = missing_requirements(v)
             if reason:
                 print(f"gpu_smoke: {v}: skipped ({reason})", flush=True)
-                return {"variant": v, "status": "skipped", "reason": reason}
-            timeout = min(args.timeout, left)
-            entry = run_variant(v, Path(tmp), args, dtype, model, timeout, device)
-            print(f"gpu_smoke: {v}: {entry['status']} {summary(entry)}", flush=True)
+                entry = {"variant": v, "status": "skipped", "reason": reason}
+            else:
+                timeout = min(args.timeout, left)
+                entry = run_variant(v, Path(tmp), args, dtype, model, timeout, device)
+                print(f"gpu_smoke: {v}: {entry['status']} {summary(entry)}", flush=True)
+            report["variants"].append(entry)
+            save(complete=False)
             return entry
 
         report["variants"] = run_within_budget(chosen, args.budget, started, run_one)
-    report["wall_s"] = time.monotonic() - started
-    name = re.sub(r"[^A-Za-z0-9]+", "_", facts["gpu"] or "").strip("_")
-    out = Path(args.out) / (f"gpu_smoke_{name}.json" if device == "cuda" else "cpu_rehearsal.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    save(complete=True)
     print(f"gpu_smoke: wrote {out} ({report['wall_s']:.0f} s)")
     failed = any(e["status"] == "failed" for e in report["variants"])
     return 1 if failed or (wheels and wheels["failed"]) else 0
@@ -459,10 +486,12 @@ def run_variant(
         proc = subprocess.run(
             cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO
         )
-        rc, log = proc.returncode, proc.stdout + proc.stderr
+        rc, log, timed_out = proc.returncode, proc.stdout + proc.stderr, False
     except subprocess.TimeoutExpired as e:
         rc, log = -1, f"timed out after {timeout:.0f}s\n{_text(e.stdout)}{_text(e.stderr)}"
+        timed_out = True
     entry = json.loads(result.read_text()) if result.is_file() else {"variant": v}
+    entry["timed_out"] = timed_out
     entry["status"] = "ok" if rc == 0 and entry.get("rc") == 0 else "failed"
     entry["process_wall_s"] = time.perf_counter() - t0
     if entry["status"] == "failed":
@@ -478,6 +507,17 @@ def child_env() -> dict[str, str]:
     env = {**OFFLINE_ENV, **os.environ, "PYTHONUNBUFFERED": "1"}
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(path))
     return env
+
+
+def strict_json(x):
+    """`x` with every NaN / inf float replaced by None (strict JSON; a crash here would lose it)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: strict_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [strict_json(v) for v in x]
+    return x
 
 
 def _text(b) -> str:

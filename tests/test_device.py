@@ -33,6 +33,9 @@ def no_cuda(monkeypatch):
         "memory_reserved",
         "is_bf16_supported",
         "current_device",
+        "reset_peak_memory_stats",
+        "max_memory_allocated",
+        "max_memory_reserved",
     ):
         monkeypatch.setattr(torch.cuda, name, boom)
 
@@ -62,6 +65,9 @@ def test_cpu_paths_never_touch_cuda(no_cuda):
     assert dev.cuda_memory_gib(CPU) is None
     assert dev.cuda_name(CPU) is None
     assert dev.native_bf16(CPU)
+    mem = dev.StepMemory(CPU)  # per-step GPU memory metrics: no keys at all on CPU
+    mem.mark("rollout")
+    assert mem.metrics() == {}
 
 
 def test_auto_is_cpu_on_this_machine():
@@ -166,3 +172,23 @@ def test_broken_cuda_install_reads_as_no_cuda(monkeypatch):
     assert dev.resolve_device("auto") == CPU
     with pytest.raises(ConfigError, match="no CUDA device is visible"):
         dev.resolve_device("cuda")
+
+
+def test_step_memory_on_gpu_reads_the_driver_per_phase_and_torch_peaks(fake_gpu, monkeypatch):
+    """Which counters feed which metric, in GiB (the numbers themselves: scripts/gpu_smoke.py)."""
+    calls, free = [], [30 * 2**30]
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: calls.append(("reset", d)))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (free[0], 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: 4 * 2**30)
+    mem = dev.StepMemory(GPU)
+    assert calls == [("reset", GPU)]  # each step's peaks are its own
+    mem.mark("rollout")  # vLLM awake: 50 GiB used
+    free[0] = 70 * 2**30
+    mem.mark("train")  # vLLM asleep: 10 GiB used
+    assert mem.metrics() == {
+        "memory/rollout_used_gb": 50.0,
+        "memory/train_used_gb": 10.0,
+        "memory/peak_allocated_gb": 3.0,
+        "memory/peak_reserved_gb": 4.0,
+    }

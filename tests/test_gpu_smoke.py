@@ -72,15 +72,31 @@ def test_read_metrics(tmp_path):
             "time/train_s": 0.2,
             "rollout/logp_diff_max": 0.01,
             "train/reward_mean": 0.75,
+            "memory/rollout_used_gb": 9.0,
+            "memory/train_used_gb": 4.0,
+        },
+        {
+            "step": 3,
+            "time/rollout_s": 0.4,
+            "train/reward_mean": float("nan"),  # a skipped step: left out, the JSON stays strict
+            "memory/rollout_used_gb": 11.0,
+            "memory/train_used_gb": 3.0,
         },
     ]
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     m = gpu_smoke.read_metrics(tmp_path / "metrics.jsonl")
-    assert [s["step"] for s in m["step_times"]] == [1, 2]
+    assert [s["step"] for s in m["step_times"]] == [1, 2, 3]
     assert m["step_times"][0] == {"step": 1, "rollout_s": 0.5, "train_s": 0.25}
     assert m["logp_diff_max"] == 0.02 and m["logp_diff_max_last"] == 0.01
     assert m["reward_mean"] == 0.5
-    assert gpu_smoke.read_metrics(tmp_path / "absent.jsonl")["logp_diff_max"] is None
+    assert m["memory_per_step_max"] == {"rollout_used_gb": 11.0, "train_used_gb": 4.0}
+    absent = gpu_smoke.read_metrics(tmp_path / "absent.jsonl")
+    assert absent["logp_diff_max"] is None and absent["memory_per_step_max"] is None
+
+
+def test_the_report_is_strict_json():
+    report = {"a": float("nan"), "b": [1.0, float("inf")], "c": {"d": -float("inf"), "e": 2}}
+    assert gpu_smoke.strict_json(report) == {"a": None, "b": [1.0, None], "c": {"d": None, "e": 2}}
 
 
 @pytest.mark.slow
@@ -95,6 +111,7 @@ def test_a_variant_trains_through_train_main_on_cpu(tmp_path):
     m = gpu_smoke.read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert len(m["step_times"]) == 2
     assert m["logp_diff_max"] is None  # the transformers sampler is the trainer: no gap to log
+    assert m["memory_per_step_max"] is None  # memory/* keys are logged on a GPU only
 
 
 # ----------------------------------------------------------------------------- --wheels, --budget
@@ -256,6 +273,7 @@ def test_cpu_rehearsal_runs_the_whole_script_as_the_gpu_machine_would(tmp_path):
     report = json.loads((tmp_path / "cpu_rehearsal.json").read_text())
     assert report["rehearsal"] == "cpu" and report["gpu"] is None and report["dtype"] == "float32"
     assert report["versions"]["vllm"] is None  # the hidden package really was absent
+    assert report["complete"] is True  # rewritten after each variant; True once all are done
     by_name = {e["variant"]: e for e in report["variants"]}
     assert [e["variant"] for e in report["variants"]] == [
         "nf4_grads", "hf_16bit", "hf_nf4", "vllm_16bit"
@@ -272,6 +290,7 @@ def test_cpu_rehearsal_runs_the_whole_script_as_the_gpu_machine_would(tmp_path):
     for v in ("hf_16bit", "hf_nf4"):
         e = by_name[v]
         assert e["status"] == "ok" and [s["step"] for s in e["step_times"]] == [1, 2]
+        assert e["timed_out"] is False
         assert "model.device=cpu" in e["argv"] and isinstance(e["planned"], dict)
         assert ("model.load_in_4bit=true" in e["argv"]) == (v == "hf_nf4")
     assert "gpu_smoke: nf4_grads: ok" in proc.stdout
