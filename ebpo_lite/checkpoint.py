@@ -146,6 +146,12 @@ def remove_all(output_dir: str | Path) -> None:
     shutil.rmtree(checkpoint_dir(output_dir), ignore_errors=True)
 
 
+def step_of(path: Path) -> int | None:
+    """N of a `step_N` checkpoint folder; None for any other name."""
+    m = _STEP_DIR.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
 def latest(output_dir: str | Path) -> Path | None:
     found = list_checkpoints(output_dir)
     return found[-1] if found else None

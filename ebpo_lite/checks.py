@@ -33,27 +33,50 @@ from ebpo_lite.errors import ConfigError, UserError
 if TYPE_CHECKING:
     from ebpo_lite.config import Config
 
-# Settings a checkpoint's state depends on: the trained tensors' names and shapes (model.*), the
-# EB prior's and the curriculum's state, and the examples the sampler's positions index (data.*).
+# Settings a resumed run must keep (refused when they differ): what the checkpoint's tensors fit
+# (model.* names, shapes and scale; the tiny base's warm-up), the EB prior's and the curriculum's
+# state, and the examples, their order and their prompt text, which the sampler's positions index
+# (data.*). Any other changed setting is allowed and named in one line (`same_run`).
 RESUME_KEYS = (
     "model.name",
     "model.lora_rank",
+    "model.lora_alpha",
     "model.lora_target_modules",
     "model.trainable_extra",
+    "model.sft_warmup_steps",
+    "model.sft_seed",
     "algo.estimator",
     "algo.prior_key",
     "algo.prompt_prior",
     "curriculum.sampler",
+    "curriculum.topic_order",
     "data.name",
     "data.path",
+    "data.preset",
+    "data.split",
+    "data.prompt_field",
+    "data.answer_field",
+    "data.topic_field",
+    "data.difficulty_field",
+    "data.labels_path",
+    "data.system_prompt",
+    "data.thinking",
+    "data.skip_bad_rows",
+    "data.max_examples",
+    "data.max_prompt_tokens",
+    "data.num_train",
+    "data.num_eval",
+    "data.seed",
 )
+# per invocation by design: never named when a resume changes them
+QUIET_KEYS = ("output_dir", "train.resume", "train.overwrite", "train.stop_after")
 
 
-def before_load(cfg: Config) -> None:
+def before_load(cfg: Config, log=print) -> None:
     """Every check of this module, cheapest first; nothing is read but small files."""
     from ebpo_lite.labels import check_path
 
-    output_dir(cfg)
+    output_dir(cfg, log)
     machine(cfg)
     model_name(cfg.model.name)
     check_path(cfg)  # a missing data.labels_path: the command that writes it
@@ -62,7 +85,7 @@ def before_load(cfg: Config) -> None:
 # ----------------------------------------------------------------------------- output_dir
 
 
-def output_dir(cfg: Config) -> None:
+def output_dir(cfg: Config, log=print) -> None:
     """A folder (or a path where one can be made) that holds no other run's checkpoints."""
     out = Path(cfg.output_dir)
     for p in (out, *out.parents):
@@ -84,34 +107,51 @@ def output_dir(cfg: Config) -> None:
             "with train.overwrite=true"
         )
     if cfg.train.resume:
-        same_run(cfg, out, found)
+        done = checkpoint.step_of(found)
+        if done is not None and done > cfg.train.steps:
+            raise ConfigError(
+                f"train.steps: {cfg.train.steps} is below the {done} steps the run in {out} has "
+                f"done ({found.name}); resume with train.steps={done} or more"
+            )
+        changed = same_run(cfg, out, found)
+        if changed:
+            log(f"train.resume: continuing {out} with changed settings: {', '.join(changed)}")
 
 
-def same_run(cfg: Config, out: Path, found: Path) -> None:
-    """The recorded config of the run in `out` agrees with `cfg` on `RESUME_KEYS`.
+def same_run(cfg: Config, out: Path, found: Path) -> list[str]:
+    """The recorded config of the run in `out` agrees with `cfg` on `RESUME_KEYS` (else a
+    ConfigError); returns the other settings that changed, as `key old -> new`.
 
-    An unreadable or missing `config.yaml` (a run from before it was written) is not checked.
+    An unreadable or missing `config.yaml` (a run from before it was written) is not checked;
+    a key the recorded config lacks (written by an older version) is not compared.
     """
     from ebpo_lite.config import to_dict
 
     try:
         recorded = yaml.safe_load((out / "config.yaml").read_text())
     except (OSError, yaml.YAMLError):
-        return
+        return []
     if not isinstance(recorded, dict):
-        return
-    now = to_dict(cfg)
-    for key in RESUME_KEYS:
-        section, _, name = key.partition(".")
-        old = recorded.get(section, {})
-        if not isinstance(old, dict) or name not in old:
-            continue
-        if old[name] != now[section][name]:
-            raise ConfigError(
-                f"{key}: {_flow(now[section][name])} differs from the run being resumed "
-                f"({found} was written with {key}={_flow(old[name])}); resume with "
-                f"{key}={_flow(old[name])}, or pick another output_dir for a new run"
-            )
+        return []
+    now, changed = to_dict(cfg), []
+    for section, values in now.items():
+        old_section = recorded.get(section) if isinstance(values, dict) else recorded
+        items = values.items() if isinstance(values, dict) else [(section, values)]
+        for name, value in items:
+            key = f"{section}.{name}" if isinstance(values, dict) else section
+            if not isinstance(old_section, dict) or name not in old_section:
+                continue
+            old = old_section[name]
+            if old == value or key in QUIET_KEYS:
+                continue
+            if key in RESUME_KEYS:
+                raise ConfigError(
+                    f"{key}: {_flow(value)} differs from the run being resumed "
+                    f"({found} was written with {key}={_flow(old)}); resume with "
+                    f"{key}={_flow(old)}, or pick another output_dir for a new run"
+                )
+            changed.append(f"{key} {_flow(old)} -> {_flow(value)}")
+    return changed
 
 
 def _flow(value: Any) -> str:

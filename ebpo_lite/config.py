@@ -233,7 +233,12 @@ def _read_yaml(path: Path) -> dict[str, Any]:
             "or a packaged recipe's name (ebpo-lite recipes lists them)"
         )
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
+    except _DuplicateKey as e:
+        raise ConfigError(
+            f"{path}:{e.line}: {e.key!r} is set a second time here, and YAML would silently keep "
+            "only the last; merge the two or delete one"
+        ) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
@@ -244,13 +249,34 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: cannot read ({e})") from None
     if data is None:
-        return {}
+        raise ConfigError(
+            f"{path}: the recipe is empty; start from a packaged one (ebpo-lite recipes lists "
+            "them), e.g. recipes/tiny_cpu.yaml"
+        )
     if not isinstance(data, dict):
         raise ConfigError(
             f"{path}: expected a mapping of sections at the top level (model:, data:, train:, ...), "
             f"got a {type(data).__name__}"
         )
     return data
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: Any, line: int):
+        self.key, self.line = key, line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, except that a key set twice in one mapping is an error."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise _DuplicateKey(key, key_node.start_mark.line + 1)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:
@@ -260,7 +286,14 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
     parts = key.strip().split(".")
     try:
         value = yaml.safe_load(text) if text.strip() else ""
-    except yaml.YAMLError:
+    except yaml.YAMLError as e:
+        if text.strip().startswith(
+            ("[", "{")
+        ):  # meant as a list or mapping: never take it literally
+            raise ConfigError(
+                f"{key}: {text!r} is not a valid list or mapping ({getattr(e, 'problem', e)}); "
+                f"write it as {key}=[a,b] or {key}={{k: v}}"
+            ) from None
         value = text
     node = raw
     for p in parts[:-1]:

@@ -50,6 +50,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ebpo_lite.errors import ConfigError
+
 SAMPLERS = ("shuffle", "topic", "difficulty", "adaptive")
 OTHER_TOPIC = "other"
 _TAG = {"shuffle": 1, "topic": 2, "difficulty": 3, "adaptive": 4}  # keeps the streams independent
@@ -218,10 +220,13 @@ class TopicSampler(PromptSampler):
             members.setdefault(t, []).append(i)
         order = [str(t) for t in order]
         if len(set(order)) != len(order):
-            raise ValueError(f"topic_order: repeats a topic: {order}")
+            raise ConfigError(f"curriculum.topic_order: repeats a topic: {order}")
         unknown = [t for t in order if t not in members]
         if unknown:
-            raise ValueError(f"topic_order: {unknown} not among the data's topics {list(members)}")
+            raise ConfigError(
+                f"curriculum.topic_order: {unknown} not among the data's topics "
+                f"{list(members)}; name only those, or leave it empty (order of first appearance)"
+            )
         self.topic_order = order + [t for t in members if t not in order]
         self.run_length = run_length
         self._members = members

@@ -45,7 +45,7 @@ import torch
 from ebpo_lite import cli
 from ebpo_lite.data import encode_prompt
 from ebpo_lite.errors import UserError
-from ebpo_lite.jsonl import append_jsonl, read_jsonl
+from ebpo_lite.jsonl import append_jsonl, read_jsonl, write_atomic
 from ebpo_lite.rewards.judge import EXTRACTION
 
 if TYPE_CHECKING:
@@ -416,6 +416,12 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
             raise UserError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     if args.limit < 0:
         raise UserError(f"--limit: must be >= 0, got {args.limit}")
+    if args.temperature is not None and args.temperature < 0:
+        raise UserError(f"--temperature: must be >= 0 (0: greedy), got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p: must be in (0, 1], got {args.top_p}")
+    if args.out and Path(args.out).is_dir():
+        raise UserError(f"--out: {args.out} is a folder; give a JSON file path")
     cfg, run_dir, ckpt = load_target(args.target, args.overrides)
     if run_dir is not None and ckpt is None:
         print(f"{run_dir}: no checkpoint yet; evaluating the base model", file=sys.stderr)
@@ -457,9 +463,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         "benchmarks": per_bench,
         "mean": mean_over_benchmarks(per_bench),
     }
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    tmp.replace(out)
+    write_atomic(out, json.dumps(result, indent=2))
     table = dict(per_bench)
     if len(per_bench) > 1:
         table["mean"] = result["mean"]

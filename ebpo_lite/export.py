@@ -22,7 +22,9 @@ so an adapter with trained extras cannot be served by `--enable-lora`; the card 
 `merged/` instead (ebpo_lite's own vLLM sampler reloads the trained norms into its base weights
 after each step, `rollout/vllm.py`). `--push-to-hub REPO_ID` uploads the finished folder with
 huggingface_hub (`HfApi.create_repo` + `upload_folder`); the folder is complete before the
-upload starts, so a failed upload loses nothing.
+upload starts, so a failed upload loses nothing. The folder is built beside `--out`
+(`.NAME.partial`) and renamed into place only when complete: a failure leaves no half export,
+and an earlier export there stays until the new one is whole.
 """
 
 from __future__ import annotations
@@ -57,26 +59,58 @@ def export_run(
     push_to_hub: str | None = None,
 ) -> Path:
     """Write the export folder of a training run (see the module docstring); returns it."""
-    from safetensors.torch import load_file
-
     from ebpo_lite import config
-    from ebpo_lite.policy import add_extra_weights, unsaveable_extra
+    from ebpo_lite.policy import unsaveable_extra
 
     run = Path(run_dir)
     if not (run / "config.yaml").is_file():
         raise UserError(f"{run}: no config.yaml; not a training output_dir")
     cfg = config.load(run / "config.yaml")
     ckpt = _checkpoint(run, checkpoint)
-    out = _fresh_out(Path(out_dir) if out_dir else run / "export", run)
-    try:
-        trained = load_file(ckpt / "trainable.safetensors")
-    except (OSError, ValueError, RuntimeError) as e:
-        raise UserError(f"{ckpt / 'trainable.safetensors'}: unreadable checkpoint ({e})") from None
+    out = _check_out(Path(out_dir) if out_dir else run / "export", run)
+    if push_to_hub:
+        _check_repo_id(push_to_hub)
+    trained = _read_tensors(ckpt / "trainable.safetensors")
+    _read_tensors(ckpt / "adapter_model.safetensors")  # copied as it is: refuse a truncated one
     if (bad := unsaveable_extra(trained)) and not merge:
         raise UserError(
             f"{ckpt}: {bad[0]} was trained inside a LoRA layer and a peft adapter cannot hold "
             "it; export with --merge"
         )
+    # built beside `out` and renamed over it at the end: a failure leaves no half export
+    tmp = out.resolve().with_name(f".{out.resolve().name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        _write_export(cfg, run, ckpt, tmp, trained, bad, merge)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)  # an earlier export (`_check_out`)
+    tmp.rename(out)
+    if push_to_hub:
+        push(out, push_to_hub)
+    return out
+
+
+def _read_tensors(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)
+    except Exception as e:  # OSError, safetensors' SafetensorError (a truncated file), ...
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(
+            f"{path}: unreadable checkpoint ({first}); export an earlier one with "
+            "--checkpoint step_N"
+        ) from None
+
+
+def _write_export(cfg, run: Path, ckpt: Path, out: Path, trained, bad, merge: bool) -> None:
+    """The export folder's files, into `out` (see the module docstring)."""
+    from ebpo_lite.policy import add_extra_weights
+
     for name in ("adapter_model.safetensors", "adapter_config.json"):
         shutil.copy2(ckpt / name, out / name)
     extra = [] if bad else add_extra_weights(out, trained)
@@ -93,9 +127,18 @@ def export_run(
     info.update(extra_modules=extra, merged=merge)
     (out / MARKER).write_text(json.dumps(info, indent=2) + "\n")
     (out / "README.md").write_text(model_card(cfg, run, out, info, _final_eval(run, step)))
-    if push_to_hub:
-        push(out, push_to_hub)
-    return out
+
+
+def _check_repo_id(repo_id: str) -> None:
+    """A malformed hub repo id, refused before the export is written."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise UserError(
+            f"--push-to-hub: {repo_id!r} is not a repo id ({e}); write owner/name"
+        ) from None
 
 
 def _checkpoint(run: Path, name: str | None) -> Path:
@@ -114,15 +157,13 @@ def _checkpoint(run: Path, name: str | None) -> Path:
     raise UserError(f"--checkpoint: {name} is not in {run / 'checkpoints'} (there: {have})")
 
 
-def _fresh_out(out: Path, run: Path) -> Path:
-    """An empty output folder; an earlier export there is replaced, anything else refused."""
+def _check_out(out: Path, run: Path) -> Path:
+    """`out`, if it is new, empty or an earlier export (replaced at the end); else refused."""
     if out.resolve() in (run.resolve(), (run / "checkpoints").resolve()):
         raise UserError(f"--out: {out} is the run's own folder; choose a new one")
     if out.exists():
         if not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).is_file()):
             raise UserError(f"--out: {out} exists and is not an earlier export; choose a new one")
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
     return out
 
 

@@ -1,9 +1,11 @@
 """JSON-lines files written a few rows at a time and read back after a crash: the resumable
-outputs of `eval` (`<out>.partial.jsonl`) and of the labellers (`labels.py`)."""
+outputs of `eval` (`<out>.partial.jsonl`) and of the labellers (`labels.py`); and `write_atomic`,
+for the files a run rewrites whole (config.yaml, summary.json, eval results, labels)."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -36,3 +38,11 @@ def append_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
         for row in rows:
             f.write(json.dumps(row) + "\n")
         f.flush()
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """`path` holds `text`: written beside it, then renamed over it, so a crash leaves the old
+    file or the new one, never half of it."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from ebpo_lite.jsonl import write_atomic
 
 
 class Metrics:
@@ -132,6 +133,4 @@ def _truncate_after(path: Path, step: int) -> None:
             continue
         if isinstance(rec, dict) and rec.get("step", 0) <= step:
             keep.append(line)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    os.replace(tmp, path)  # a crash here leaves the old file or the new one, never half of it
+    write_atomic(path, "".join(line + "\n" for line in keep))

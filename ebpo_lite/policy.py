@@ -313,13 +313,9 @@ class Policy:
         dtype: torch.dtype,
         share_prompts: bool = False,
     ):
-        self.model = model
-        self.tokenizer = tokenizer
-        self.device = device
-        self.base_path = base_path
-        self.lora_rank = lora_rank
+        self.model, self.tokenizer, self.device, self.dtype = model, tokenizer, device, dtype
+        self.base_path, self.lora_rank = base_path, lora_rank
         self.trainable_extra = list(trainable_extra)
-        self.dtype = dtype
         self.share_prompts = share_prompts  # each distinct prompt of a micro-batch runs once
 
     @property
@@ -591,9 +587,13 @@ def _add_lora(model, m):
         bias="none",
     )
     model = get_peft_model(model, lcfg)
+    hit = set()
     for name, p in model.named_parameters():
-        if "lora_" not in name and any(s in name for s in m.trainable_extra):
+        if "lora_" not in name and (match := {s for s in m.trainable_extra if s in name}):
             if p.dtype in (torch.uint8, torch.int8):
                 raise UserError(f"model.trainable_extra: {name} is quantised and cannot be trained")
             p.requires_grad_(True)
+            hit |= match
+    if missing := sorted(set(m.trainable_extra) - hit):  # a typo must not train nothing silently
+        raise UserError(f"model.trainable_extra: {missing} match no parameter name of {m.name}")
     return model

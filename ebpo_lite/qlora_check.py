@@ -391,6 +391,12 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(
                 f"--dtypes: expected some of {', '.join(DTYPES)}, got {args.dtypes!r}"
             )
+        if args.layers < 1:
+            raise ConfigError(f"--layers: must be >= 1, got {args.layers}")
+        if args.hidden < 32 or args.hidden % 32:
+            raise ConfigError(f"--hidden: must be a positive multiple of 32, got {args.hidden}")
+        if args.json and Path(args.json).is_dir():
+            raise ConfigError(f"--json: {args.json} is a folder; give a file path")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -32,6 +32,7 @@ from ebpo_lite import (
 )
 from ebpo_lite.advantages import EBPrior, compute_advantages
 from ebpo_lite.errors import ConfigError, UserError
+from ebpo_lite.jsonl import write_atomic
 from ebpo_lite.policy import Policy, completion_logprobs, dropout_in_training
 from ebpo_lite.rollout import Rollout, RolloutBackend, make_backend
 
@@ -119,18 +120,12 @@ class Run:
         G = len(roll.completion_ids) // len(examples)
         tok = self.policy.tokenizer
         texts = tok.batch_decode(roll.completion_ids, skip_special_tokens=True)
-        columns: dict[str, Any] = {
-            "prompts": [ex.prompt for ex in examples for _ in range(G)],  # TRL's convention
-            "answer": [ex.answer for ex in examples for _ in range(G)],
-        }
-        for key in sorted({k for ex in examples for k in ex.meta}):
-            columns[key] = [ex.meta.get(key) for ex in examples for _ in range(G)]
         total, _ = rewards.combine_rewards(
             dict(self.reward_fns),
             self.reward_weights,
             texts,
             timeout_s=self.cfg.reward.timeout_s,
-            **columns,
+            **rewards.reward_columns(examples, G),
         )
         rc = self.cfg.reward
         if rc.length_penalty > 0:
@@ -334,7 +329,7 @@ def build_run(cfg: config.Config, log: Callable[[str], None] = print) -> Run:
     the config against the machine and paths (`checks`), the reward functions, the data. Then it
     says what it does, one line each: the data, the memory plan, the model (the hub's download
     progress follows), the sampler, and the labels `data.labels_path=auto` makes."""
-    checks.before_load(cfg)
+    checks.before_load(cfg, log)
     fns, weights = reward_functions(cfg)
     train_ex, eval_ex = data.load_train_eval(cfg.data)
     if not train_ex:
@@ -376,8 +371,9 @@ def build_run(cfg: config.Config, log: Callable[[str], None] = print) -> Run:
         weight_decay=cfg.train.weight_decay,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(cfg.train))
-    if not (out / "config.yaml").exists() or not cfg.train.resume:
-        (out / "config.yaml").write_text(config.dump(cfg))
+    recorded = out / "config.yaml"  # rewritten when a resume changed a setting (checks.same_run)
+    if not recorded.exists() or not cfg.train.resume or recorded.read_text() != config.dump(cfg):
+        write_atomic(recorded, config.dump(cfg))
     return Run(
         cfg,
         policy,

@@ -170,15 +170,15 @@ def topic_labels(
 
 def write_labels(out: Path, examples: list, topics: list[str]) -> None:
     """The labels file (`mathdata.apply_labels`' format), written atomically."""
+    from ebpo_lite.jsonl import write_atomic
     from ebpo_lite.prompts import prompt_digest
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        for i, (ex, t) in enumerate(zip(examples, topics)):
-            f.write(json.dumps({"index": i, "prompt_sha1": prompt_digest(ex.prompt), "topic": t}))
-            f.write("\n")
-    tmp.replace(out)
+    rows = (
+        json.dumps({"index": i, "prompt_sha1": prompt_digest(ex.prompt), "topic": t}) + "\n"
+        for i, (ex, t) in enumerate(zip(examples, topics))
+    )
+    write_atomic(out, "".join(rows))
 
 
 def main(argv: list[str] | None = None) -> int:

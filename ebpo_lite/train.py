@@ -23,6 +23,7 @@ import torch
 from ebpo_lite import checkpoint, cli, config, faults, rewards
 from ebpo_lite.advantages import frac_zero_std_groups
 from ebpo_lite.device import StepMemory
+from ebpo_lite.jsonl import write_atomic
 from ebpo_lite.metrics import Metrics
 from ebpo_lite.run import Run, build_run
 from ebpo_lite.train_eval import evaluate_policy
@@ -203,7 +204,7 @@ def _summary(cfg, run, first_eval, last_eval, step, seconds, eval_s, eval_step) 
         f"run: {cfg.output_dir} (metrics.jsonl, checkpoints/{Path(summary['checkpoint']).name if ckpt else ''})"
     )
     print("\n".join(lines), flush=True)
-    (Path(cfg.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_atomic(Path(cfg.output_dir) / "summary.json", json.dumps(summary, indent=2))
     return summary
 
 

@@ -41,6 +41,7 @@ from ebpo_lite.rewards import (
     extraction_shares,
     judge_math,
     math_answer,
+    reward_columns,
     take_error_counts,
 )
 
@@ -75,8 +76,9 @@ def evaluate_policy(run: Run) -> dict[str, Any]:
             scores = judged.scores
             shares = extraction_shares(judged.methods).items()
             out.update({f"eval/extraction/{m}": v for m, v in shares})
-        else:
-            scores = fn(texts, golds, timeout_s=cfg.reward.timeout_s)
+        else:  # called as in training: TRL's signature, every column by name
+            columns = reward_columns(examples)
+            scores = fn(completions=texts, timeout_s=cfg.reward.timeout_s, **columns)
         out.update(per_type_means("eval/accuracy", scores, examples))
         if isinstance(fn, ContainedReward):  # a user function: masked scores are left out
             out["eval/reward_errors"] = take_error_counts([fn])["reward/errors"]

@@ -16,6 +16,7 @@ from ebpo_lite.curriculum import (
     informative_groups,
     make_sampler,
 )
+from ebpo_lite.errors import ConfigError
 
 torch.set_num_threads(1)
 
@@ -106,9 +107,9 @@ def test_topic_position_carries_over_between_runs():
 def test_topic_errors():
     with pytest.raises(ValueError, match="topics"):
         make_sampler("topic", N, 0)
-    with pytest.raises(ValueError, match="topic_order.*'nope'"):
+    with pytest.raises(ConfigError, match=r"^curriculum\.topic_order: \['nope'\] not among"):
         build("topic", topic_order=["nope"])
-    with pytest.raises(ValueError, match="repeats"):
+    with pytest.raises(ConfigError, match="repeats"):
         build("topic", topic_order=["alg", "alg"])
     with pytest.raises(ValueError, match="run_length"):
         build("topic", run_length=0)

@@ -146,6 +146,17 @@ def test_eval_cli_user_errors(tmp_path, capsys):
     assert main([str(tmp_path), "--benchmark", "nope", "--out", str(tmp_path / "e.json")]) == 2
     assert "unknown 'nope'" in capsys.readouterr().err
     assert main([str(tmp_path), "--k", "0"]) == 2
+    # caught before anything loads or is written (no partial file to block the next call)
+    for bad, says in [
+        (["--temperature", "-1"], "--temperature: must be >= 0"),
+        (["--top-p", "5"], "--top-p: must be in (0, 1]"),
+        (["--out", str(tmp_path)], f"--out: {tmp_path} is a folder"),
+    ]:
+        capsys.readouterr()
+        assert main([str(tmp_path), "--benchmark", "arithmetic", *bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_in_training_benchmark_eval(tmp_path):

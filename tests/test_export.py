@@ -170,6 +170,7 @@ def test_push_to_hub_offline_fails_after_a_complete_export(run, tmp_path):
         (["{tmp}"], "no config.yaml; not a training output_dir"),
         (["{run}", "--checkpoint", "step_9"], "--checkpoint: step_9 is not in"),
         (["{run}", "--out", "{run}"], "is the run's own folder"),
+        (["{run}", "--out", "{tmp}/x", "--push-to-hub", "bad id"], "'bad id' is not a repo id"),
     ],
 )
 def test_mistakes_are_one_line(run, tmp_path, capsys, args, message):
@@ -177,6 +178,24 @@ def test_mistakes_are_one_line(run, tmp_path, capsys, args, message):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "x").exists()  # refused before anything is written
+
+
+def test_a_truncated_adapter_leaves_no_half_export(run, tmp_path, capsys):
+    """A checkpoint whose adapter file was cut short: one line naming it, and no export folder
+    (the export is built beside --out and renamed over it only when complete)."""
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    newest = sorted((copy / "checkpoints").iterdir())[-1]
+    adapter = newest / "adapter_model.safetensors"
+    adapter.write_bytes(adapter.read_bytes()[:100])
+    assert main([str(copy), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{adapter}: unreadable checkpoint" in err[0], err
+    assert "--checkpoint step_N" in err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no x, no .x.partial
 
 
 @pytest.mark.slow

@@ -127,6 +127,9 @@ MISTAKES = [
     Mistake("recipe_is_a_folder", ("{tmp}",), "is a folder", "give the path of a YAML recipe"),
     Mistake("recipe_yaml_syntax", ("{tmp}/bad.yaml",), "bad.yaml:3: not valid YAML", "fix the indentation", _write("bad.yaml", "train:\n  steps: 3\n   lr: 1\n")),
     Mistake("recipe_top_level_list", ("{tmp}/list.yaml",), "list.yaml", "mapping of sections", _write("list.yaml", "- train\n- model\n")),
+    Mistake("recipe_empty", ("{tmp}/empty.yaml",), "empty.yaml: the recipe is empty", "ebpo-lite recipes lists them", _write("empty.yaml", "# nothing yet\n")),
+    Mistake("recipe_section_twice", ("{tmp}/r.yaml",), "r.yaml:4: 'train' is set a second time", "merge the two or delete one", _write("r.yaml", "train:\n  steps: 1\nmodel: {}\ntrain:\n  lr: 0.01\n")),
+    Mistake("recipe_key_twice", ("{tmp}/r.yaml",), "r.yaml:3: 'steps' is set a second time", "merge the two", _write("r.yaml", "train:\n  steps: 1\n  steps: 2\n")),
     Mistake("recipe_unknown_key", ("{tmp}/r.yaml",), "train.stepz: unknown key", "did you mean train.steps", _write("r.yaml", "train:\n  stepz: 3\n")),
     Mistake("recipe_wrong_type", ("{tmp}/r.yaml",), "train.lr", "expected a float", _write("r.yaml", "train:\n  lr: fast\n")),
     # overrides: syntax, unknown names, types
@@ -202,6 +205,11 @@ MISTAKES = [
     Mistake("output_dir_holds_another_run", (R,), "{tmp}/run already holds checkpoints (newest step_3)", "train.resume=true", _run_with_checkpoints()),
     Mistake("resume_other_lora_rank", (R, "train.resume=true"), "model.lora_rank: 16 differs", "resume with model.lora_rank=8", _run_with_checkpoints("model.lora_rank=8")),
     Mistake("resume_other_sampler", (R, "train.resume=true", "curriculum.sampler=topic"), "curriculum.sampler: topic differs", "or pick another output_dir", _run_with_checkpoints()),
+    Mistake("override_list_unclosed", (R, "model.trainable_extra=[norm"), "model.trainable_extra: '[norm' is not a valid list", "model.trainable_extra=[a,b]"),
+    Mistake("resume_other_lora_alpha", (R, "train.resume=true"), "model.lora_alpha: 32 differs", "resume with model.lora_alpha=64", _run_with_checkpoints("model.lora_alpha=64")),
+    Mistake("resume_other_data_seed", (R, "train.resume=true"), "data.seed: 1234 differs", "resume with data.seed=7", _run_with_checkpoints("data.seed=7")),
+    Mistake("resume_other_warmup", (R, "train.resume=true", "model.sft_warmup_steps=30"), "model.sft_warmup_steps: 30 differs", "resume with model.sft_warmup_steps=3000", _run_with_checkpoints()),
+    Mistake("resume_fewer_steps", (R, "train.resume=true", "train.steps=2"), "train.steps: 2 is below the 3 steps", "resume with train.steps=3 or more", _run_with_checkpoints()),
 ]  # fmt: skip
 
 _NEED_CPU_ONLY = {"model_device_cuda", "flash_attention_on_cpu"}

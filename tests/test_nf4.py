@@ -103,6 +103,13 @@ def test_the_command_writes_its_result_and_refuses_bad_input(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == (
         "error: --dtypes: expected some of float32, bfloat16, float16, got 'bf16'"
     )
+    for bad, says in [
+        (["--layers", "0"], "--layers: must be >= 1"),
+        (["--hidden", "100"], "--hidden: must be a positive multiple of 32"),
+        (["--json", str(tmp_path)], f"--json: {tmp_path} is a folder"),
+    ]:
+        assert qlora_check.main(bad) == 2, bad  # before any model is built
+        assert capsys.readouterr().err.strip().startswith(f"error: {says}")
     if not torch.cuda.is_available():
         assert qlora_check.main(["--device", "cuda"]) == 2
         assert "no CUDA device is visible" in capsys.readouterr().err

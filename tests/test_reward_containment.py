@@ -81,6 +81,12 @@ def raising(completions, **kwargs):
     raise RuntimeError("always fails")
 
 
+def trl_exact(completions, **columns):
+    """TRL's documented signature: every column by name (arithmetic_answer's scores)."""
+    assert len(columns["prompts"]) == len(completions)  # the prompts column comes too
+    return [1.0 if c.strip() == str(a) else 0.0 for c, a in zip(completions, columns["answer"])]
+
+
 def hanging(completions, **kwargs):
     time.sleep(3600)
 
@@ -230,6 +236,11 @@ def test_crash_masks_and_restarts(user_mod, capsys):
 def test_import_problems_are_user_errors(user_mod):
     with pytest.raises(ValueError, match="__main__ cannot be imported"):
         get_reward_fn("__main__:f")
+    # a function that cannot take fn(completions, **columns) would mask every score: refused
+    with pytest.raises(ValueError, match=r"'os:system': cannot be called as fn\(completions"):
+        get_reward_fn("os:system")
+    with pytest.raises(ValueError, match="TRL's signature"):
+        get_reward_fn("os.path:join")  # join(a, *p): no `completions` keyword
     sys.modules["ebpo_test_only_here"] = types.SimpleNamespace(f=lambda completions, **k: [])
     try:
         fn = get_reward_fn("ebpo_test_only_here:f")  # the trainer can import it, a fresh one not
@@ -386,3 +397,22 @@ def test_tiny_run_goes_on_and_logs_reward_errors(user_mod, tmp_path):
     assert steps[0]["reward/errors"] == 4 * 4 and steps[0]["train/unscored_frac"] == 1.0
     assert steps[1]["reward/errors"] == 0 and steps[1]["reward/timeouts"] == 0
     assert steps[1]["train/unscored_frac"] < 1.0
+
+
+def test_a_trl_signature_reward_first_also_scores_the_in_training_eval(user_mod, tmp_path):
+    """`score(completions, **columns)` as the first reward: the held-out eval calls it as
+    training does (it once passed the answers positionally: every eval score masked, NaN)."""
+    from ebpo_lite import config
+    from ebpo_lite.train import train
+    from tests.conftest import TINY_RECIPE, fast_overrides
+
+    out = tmp_path / "run"
+    extra = {"train.steps": 1, "train.prompts_per_step": 4, "eval.num_examples": 8}
+    extra["reward.functions"] = f"['{MOD}:trl_exact']"
+    train(config.load(TINY_RECIPE, fast_overrides(out, **extra)))
+    evals = [r for r in read_metrics(out / "metrics.jsonl") if "eval/accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 1]
+    for r in evals:
+        assert r["eval/reward_errors"] == 0 and 0.0 <= r["eval/accuracy"] <= 1.0
+    steps = [r for r in read_metrics(out / "metrics.jsonl") if "reward/errors" in r]
+    assert steps[0]["reward/errors"] == 0

@@ -93,6 +93,7 @@ def test_resume_is_exact(tmp_path, options):
     train(_cfg(b, **common, **{"train.stop_after": 4}))
     assert sorted(p.name for p in (b / "checkpoints").iterdir()) == ["step_4"]
     train(_cfg(b, **common, **{"train.resume": "true"}))
+    assert config.load(b / "config.yaml").train.stop_after == 0  # the resumed run's settings
     wa, wb = _adapter(a, 8), _adapter(b, 8)
     assert wa.keys() == wb.keys()
     for k in wa:
@@ -287,3 +288,37 @@ def test_the_trainer_scores_at_the_rollout_temperature(tmp_path):
     assert stats["rollout/logp_diff_max"] < 1e-5
     assert stats["train/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     assert abs(stats["train/kl"]) < 1e-6
+
+
+def test_a_resume_names_the_settings_it_changes(tmp_path):
+    """Settings the checkpoint does not depend on may change on resume, and are named in one
+    line (the per-invocation ones, such as train.stop_after, are not)."""
+    from ebpo_lite import checks
+
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step_2").mkdir(parents=True)
+    (out / "config.yaml").write_text(config.dump(_cfg(out, **{"train.stop_after": 2})))
+    said = []
+    checks.output_dir(_cfg(out, **{"train.resume": "true"}), said.append)
+    assert said == []  # only train.resume and train.stop_after differ
+    checks.output_dir(
+        _cfg(out, **{"train.resume": "true", "train.lr": 0.5, "eval.every": 7}), said.append
+    )
+    assert said == [
+        f"train.resume: continuing {out} with changed settings: train.lr 0.001 -> 0.5, "
+        "eval.every 0 -> 7"
+    ]
+
+
+def test_a_trainable_extra_name_that_matches_nothing_is_refused(tmp_path, capsys):
+    """model.trainable_extra=[nrom] would otherwise train no extra tensor without a word."""
+    from ebpo_lite.train import main
+
+    argv = [
+        str(TINY_RECIPE),
+        *fast_overrides(tmp_path / "run"),
+        "model.trainable_extra=[norm,nrom]",
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: model.trainable_extra: ['nrom'] match no parameter name of tiny"]

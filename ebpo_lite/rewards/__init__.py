@@ -27,6 +27,7 @@ from ebpo_lite.rewards.functions import (
     get_reward_fn,
     length_penalty,
     math_answer,
+    reward_columns,
 )
 from ebpo_lite.rewards.judge import EXTRACTION, MathJudgement, extraction_shares, judge_math
 from ebpo_lite.rewards.verify_pool import close, configure, stats
@@ -52,6 +53,7 @@ __all__ = [
     "judge_math",
     "length_penalty",
     "math_answer",
+    "reward_columns",
     "normalize_gold",
     "stats",
     "take_error_counts",

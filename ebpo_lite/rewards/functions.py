@@ -22,6 +22,7 @@ Decisions (documented departures / choices):
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -168,6 +169,15 @@ def get_reward_fn(name: str) -> RewardFn:
             f"reward function {name!r}: {module_name} has no callable {attr!r}; name a function "
             "defined in that module"
         )
+    try:  # how the trainer calls it; a function that cannot take that would mask every score
+        inspect.signature(fn).bind(completions=[], prompts=[], answer=[], timeout_s=1.0)
+    except TypeError as e:
+        raise ValueError(
+            f"reward function {name!r}: cannot be called as fn(completions, **columns) ({e}); "
+            "define it with TRL's signature: def score(completions, **columns)"
+        ) from None
+    except ValueError:  # no signature to read (some builtins): its first call will tell
+        pass
     return ContainedReward(name)
 
 
@@ -187,6 +197,18 @@ def _named(fns: Sequence[str | RewardFn] | Mapping[str, RewardFn]) -> list[tuple
             name += "_"
         out.append((name, fn))
     return out
+
+
+def reward_columns(examples: Sequence[Any], repeat: int = 1) -> dict[str, list[Any]]:
+    """The columns a reward function gets for completions of `examples`, `repeat` each in order:
+    `prompts` (TRL's name), `answer`, and every field of the examples' `meta`."""
+    columns: dict[str, list[Any]] = {
+        "prompts": [ex.prompt for ex in examples for _ in range(repeat)],
+        "answer": [ex.answer for ex in examples for _ in range(repeat)],
+    }
+    for key in sorted({k for ex in examples for k in ex.meta}):
+        columns[key] = [ex.meta.get(key) for ex in examples for _ in range(repeat)]
+    return columns
 
 
 def combine_rewards(
