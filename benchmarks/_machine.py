@@ -26,6 +26,9 @@ def machine(**extra) -> dict:
         "cpu": cpu,
         "cores": os.cpu_count(),
         "threads": torch.get_num_threads(),
+        # the vector ISA torch's CPU kernels use (AVX2, AVX512, ...): round-off, and so the tiny
+        # model's 3000-step warm-up and every tiny-task number, differ between them
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),

@@ -254,6 +254,9 @@ def load_target(target: str, overrides: Sequence[str]) -> tuple[Config, Path | N
         run_dir, ckpt = path.parent.parent, path
     elif (path / "config.yaml").is_file():
         run_dir, ckpt = path, checkpoint.latest(path)
+    elif path.parent.name == "checkpoints" and (path.parent.parent / "config.yaml").is_file():
+        have = ", ".join(p.name for p in checkpoint.list_checkpoints(path.parent.parent))
+        raise UserError(f"{path}: no such checkpoint of that run (it has: {have or 'none'})")
     else:
         cfg = config.load(None, overrides)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=target))

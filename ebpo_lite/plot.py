@@ -155,7 +155,10 @@ def load_runs(run_dirs: list[str | Path], labels: list[str] | None = None) -> li
     if not run_dirs:
         raise UserError("plot: give at least one run folder")
     if labels is not None and len(labels) != len(run_dirs):
-        raise UserError(f"labels: {len(labels)} labels for {len(run_dirs)} runs")
+        raise UserError(
+            f"--label: {len(labels)} given for {len(run_dirs)} runs; give one --label per run, "
+            "in the order of the runs"
+        )
     runs = [read_run(d) for d in run_dirs]
     if labels is not None:
         for run, label in zip(runs, labels):
@@ -253,12 +256,17 @@ def plot_runs(
     """
     runs = load_runs(list(run_dirs), labels)
     out = Path(out_dir) if out_dir is not None else default_out_dir(list(run_dirs))
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out: {out} is a file; give a folder for the figures")
+    figures = build_figures(runs)
+    if not figures:
+        return []  # nothing to draw: no empty folder left behind
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"--out: cannot create {out} ({e.strerror or e})") from None
     written = []
-    for name, fig in build_figures(runs).items():
+    for name, fig in figures.items():
         path = out / f"{name}.png"
         fig.savefig(path, dpi=110)
         written.append(path)

@@ -157,6 +157,17 @@ def test_eval_cli_user_errors(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and says in err[0], err
     assert list(tmp_path.iterdir()) == []
+    # a checkpoint that is not there: say which the run has (not "no such model folder")
+    from ebpo_lite import config
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_2").mkdir(parents=True)
+    (run / "checkpoints" / "step_2" / "trainable.safetensors").write_bytes(b"")
+    (run / "config.yaml").write_text(config.dump(config.load(None)))
+    assert main([str(run / "checkpoints" / "step_7"), "--benchmark", "arithmetic"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {run / 'checkpoints' / 'step_7'}: no such checkpoint of that run "
+                   "(it has: step_2)"]  # fmt: skip
 
 
 def test_in_training_benchmark_eval(tmp_path):

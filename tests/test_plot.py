@@ -114,7 +114,11 @@ def test_cli_default_folder_and_mistakes(runs, tmp_path, capsys):
         ([str(tmp_path / "nowhere")], "no such run folder"),
         ([str(tmp_path / "blank")], "no metrics recorded yet"),
         ([str(tmp_path / "bad")], "metrics.jsonl:2: not a metrics record"),
-        ([str(a), str(b), "--label", "one"], "labels: 1 labels for 2 runs"),
+        (
+            [str(a), str(b), "--label", "one"],
+            "--label: 1 given for 2 runs; give one --label per run",
+        ),
+        ([str(a), "--out", str(tmp_path / "bad" / "metrics.jsonl")], "is a file; give a folder"),
     ]:
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
