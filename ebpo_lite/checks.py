@@ -195,6 +195,17 @@ def machine(cfg: Config) -> None:
         from ebpo_lite.rollout.vllm import check_importable
 
         check_importable()
+    if cfg.rollout.backend == "unsloth":  # before the data and the model load, not after
+        if device.type != "cuda":
+            raise ConfigError(
+                "rollout.backend: unsloth needs a CUDA GPU (none is visible); use "
+                "rollout.backend=hf (or vllm, where installed)"
+            )
+        if importlib.util.find_spec("unsloth") is None:
+            raise UserError(
+                "rollout.backend=unsloth: needs unsloth (pip install 'ebpo-lite[unsloth]'), or "
+                "use rollout.backend=hf"
+            )
     if m.load_in_4bit and importlib.util.find_spec("bitsandbytes") is None:
         raise UserError(
             "model.load_in_4bit: needs bitsandbytes (pip install 'ebpo-lite[bnb]'), "
