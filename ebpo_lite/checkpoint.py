@@ -146,12 +146,6 @@ def remove_all(output_dir: str | Path) -> None:
     shutil.rmtree(checkpoint_dir(output_dir), ignore_errors=True)
 
 
-def step_of(path: Path) -> int | None:
-    """N of a `step_N` checkpoint folder; None for any other name."""
-    m = _STEP_DIR.match(Path(path).name)
-    return int(m.group(1)) if m else None
-
-
 def latest(output_dir: str | Path) -> Path | None:
     found = list_checkpoints(output_dir)
     return found[-1] if found else None
@@ -190,10 +184,23 @@ def load(path: Path, policy, optimizer, scheduler, prior, sampler) -> dict[str, 
     return state
 
 
+def read_tensors(path: Path, then: str) -> dict[str, torch.Tensor]:
+    """A checkpoint's safetensors file, or a one-line UserError naming it; `then` says what to
+    do instead (export and eval read checkpoints outside `load`)."""
+    try:
+        return load_file(path)
+    except Exception as e:  # truncated (safetensors' SafetensorError), corrupt, missing
+        raise UserError(f"{path}: unreadable checkpoint file ({_why(e)}); {then}") from None
+
+
+def _why(e: Exception) -> str:
+    return str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+
+
 def _unreadable(path: Path, name: str, e: Exception) -> str:
-    why = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+    why = _why(e)
     older = [
-        p for p in list_checkpoints(path.parent.parent) if p != path and _step(p) < _step(path)
+        p for p in list_checkpoints(path.parent.parent) if p != path and step_of(p) < step_of(path)
     ]
     then = (
         f"the previous checkpoint is {older[-1]}: move {path.name} out of {path.parent} and "
@@ -204,8 +211,9 @@ def _unreadable(path: Path, name: str, e: Exception) -> str:
     return f"{path / name}: unreadable checkpoint file ({why}); {then}"
 
 
-def _step(p: Path) -> int:
-    m = _STEP_DIR.match(p.name)
+def step_of(p: Path) -> int:
+    """N of a `step_N` checkpoint folder; -1 for any other name."""
+    m = _STEP_DIR.match(Path(p).name)
     return int(m.group(1)) if m else -1
 
 

@@ -108,7 +108,7 @@ def output_dir(cfg: Config, log=print) -> None:
         )
     if cfg.train.resume:
         done = checkpoint.step_of(found)
-        if done is not None and done > cfg.train.steps:
+        if done > cfg.train.steps:
             raise ConfigError(
                 f"train.steps: {cfg.train.steps} is below the {done} steps the run in {out} has "
                 f"done ({found.name}); resume with train.steps={done} or more"
@@ -133,25 +133,30 @@ def same_run(cfg: Config, out: Path, found: Path) -> list[str]:
         return []
     if not isinstance(recorded, dict):
         return []
-    now, changed = to_dict(cfg), []
-    for section, values in now.items():
-        old_section = recorded.get(section) if isinstance(values, dict) else recorded
-        items = values.items() if isinstance(values, dict) else [(section, values)]
-        for name, value in items:
-            key = f"{section}.{name}" if isinstance(values, dict) else section
-            if not isinstance(old_section, dict) or name not in old_section:
-                continue
-            old = old_section[name]
-            if old == value or key in QUIET_KEYS:
-                continue
-            if key in RESUME_KEYS:
-                raise ConfigError(
-                    f"{key}: {_flow(value)} differs from the run being resumed "
-                    f"({found} was written with {key}={_flow(old)}); resume with "
-                    f"{key}={_flow(old)}, or pick another output_dir for a new run"
-                )
-            changed.append(f"{key} {_flow(old)} -> {_flow(value)}")
+    before, changed = _flat(recorded), []
+    for key, value in _flat(to_dict(cfg)).items():
+        if key not in before or before[key] == value or key in QUIET_KEYS:
+            continue
+        old = _flow(before[key])
+        if key in RESUME_KEYS:
+            raise ConfigError(
+                f"{key}: {_flow(value)} differs from the run being resumed ({found} was written "
+                f"with {key}={old}); resume with {key}={old}, or pick another output_dir for a "
+                "new run"
+            )
+        changed.append(f"{key} {old} -> {_flow(value)}")
     return changed
+
+
+def _flat(tree: dict) -> dict[str, Any]:
+    """`{"section.key": value}` of a config dict; a top-level value (output_dir) keeps its name."""
+    flat: dict[str, Any] = {}
+    for name, value in tree.items():
+        if isinstance(value, dict):
+            flat.update({f"{name}.{key}": v for key, v in value.items()})
+        else:
+            flat[name] = value
+    return flat
 
 
 def _flow(value: Any) -> str:

@@ -287,9 +287,8 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
     try:
         value = yaml.safe_load(text) if text.strip() else ""
     except yaml.YAMLError as e:
-        if text.strip().startswith(
-            ("[", "{")
-        ):  # meant as a list or mapping: never take it literally
+        # meant as a list or mapping: never take it literally as a string
+        if text.strip().startswith(("[", "{")):
             raise ConfigError(
                 f"{key}: {text!r} is not a valid list or mapping ({getattr(e, 'problem', e)}); "
                 f"write it as {key}=[a,b] or {key}={{k: v}}"

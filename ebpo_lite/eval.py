@@ -268,18 +268,17 @@ def load_target(target: str, overrides: Sequence[str]) -> tuple[Config, Path | N
 
 def load_policy(cfg: Config, ckpt: Path | None, log: Callable[[str], None] = print):
     """The run's policy with the checkpoint's trainable tensors (LoRA and any trained norms)."""
-    from safetensors.torch import load_file
-
+    from ebpo_lite.checkpoint import read_tensors
     from ebpo_lite.run import load_policy as build_policy
 
+    state = None  # read first: a bad checkpoint fails before the model loads
+    if ckpt is not None:
+        then = "evaluate another checkpoint of the run (RUN/checkpoints/step_N)"
+        state = read_tensors(ckpt / "trainable.safetensors", then)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     policy = build_policy(cfg, log=log)
-    if ckpt is not None:
-        try:
-            state = load_file(ckpt / "trainable.safetensors")
-        except (OSError, ValueError, RuntimeError) as e:
-            raise UserError(f"{ckpt}: unreadable checkpoint ({e})") from None
+    if state is not None:
         policy.load_trainable_state(state)
     policy.model.eval()
     return policy

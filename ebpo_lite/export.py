@@ -60,6 +60,7 @@ def export_run(
 ) -> Path:
     """Write the export folder of a training run (see the module docstring); returns it."""
     from ebpo_lite import config
+    from ebpo_lite.checkpoint import read_tensors
     from ebpo_lite.policy import unsaveable_extra
 
     run = Path(run_dir)
@@ -70,8 +71,9 @@ def export_run(
     out = _check_out(Path(out_dir) if out_dir else run / "export", run)
     if push_to_hub:
         _check_repo_id(push_to_hub)
-    trained = _read_tensors(ckpt / "trainable.safetensors")
-    _read_tensors(ckpt / "adapter_model.safetensors")  # copied as it is: refuse a truncated one
+    then = "export an earlier one with --checkpoint step_N"
+    trained = read_tensors(ckpt / "trainable.safetensors", then)
+    read_tensors(ckpt / "adapter_model.safetensors", then)  # copied as it is: refuse a cut one
     if (bad := unsaveable_extra(trained)) and not merge:
         raise UserError(
             f"{ckpt}: {bad[0]} was trained inside a LoRA layer and a peft adapter cannot hold "
@@ -94,21 +96,9 @@ def export_run(
     return out
 
 
-def _read_tensors(path: Path) -> dict:
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(path)
-    except Exception as e:  # OSError, safetensors' SafetensorError (a truncated file), ...
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(
-            f"{path}: unreadable checkpoint ({first}); export an earlier one with "
-            "--checkpoint step_N"
-        ) from None
-
-
 def _write_export(cfg, run: Path, ckpt: Path, out: Path, trained, bad, merge: bool) -> None:
     """The export folder's files, into `out` (see the module docstring)."""
+    from ebpo_lite.checkpoint import step_of
     from ebpo_lite.policy import add_extra_weights
 
     for name in ("adapter_model.safetensors", "adapter_config.json"):
@@ -122,7 +112,7 @@ def _write_export(cfg, run: Path, ckpt: Path, out: Path, trained, bad, merge: bo
     shutil.copy2(run / "config.yaml", out / "training_config.yaml")
     if merge:
         merge_adapter(cfg, out, out / "merged")
-    step = int(ckpt.name.removeprefix("step_"))
+    step = step_of(ckpt)
     info = {"run_dir": str(run.resolve()), "checkpoint": ckpt.name, "step": step, "base": base}
     info.update(extra_modules=extra, merged=merge)
     (out / MARKER).write_text(json.dumps(info, indent=2) + "\n")

@@ -371,9 +371,10 @@ def build_run(cfg: config.Config, log: Callable[[str], None] = print) -> Run:
         weight_decay=cfg.train.weight_decay,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(cfg.train))
-    recorded = out / "config.yaml"  # rewritten when a resume changed a setting (checks.same_run)
-    if not recorded.exists() or not cfg.train.resume or recorded.read_text() != config.dump(cfg):
-        write_atomic(recorded, config.dump(cfg))
+    # written once, and again when a resume changed a setting (checks.same_run names them)
+    recorded, text = out / "config.yaml", config.dump(cfg)
+    if not (cfg.train.resume and recorded.exists() and recorded.read_text() == text):
+        write_atomic(recorded, text)
     return Run(
         cfg,
         policy,

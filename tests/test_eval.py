@@ -168,6 +168,11 @@ def test_eval_cli_user_errors(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: {run / 'checkpoints' / 'step_7'}: no such checkpoint of that run "
                    "(it has: step_2)"]  # fmt: skip
+    # a checkpoint cut short (here: empty): one line naming the file, before any model loads
+    assert main([str(run), "--benchmark", "arithmetic", "--out", str(tmp_path / "e.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    bad = run / "checkpoints" / "step_2" / "trainable.safetensors"
+    assert len(err) == 1 and err[0].startswith(f"error: {bad}: unreadable checkpoint file"), err
 
 
 def test_in_training_benchmark_eval(tmp_path):
