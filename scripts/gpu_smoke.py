@@ -68,6 +68,7 @@ if str(REPO) not in sys.path:  # runs from a checkout: ebpo_lite need not be ins
 # nf4_grads' model and layers (wider than the tiny model: see ebpo_lite/qlora_check.py)
 from ebpo_lite.qlora_check import LARGE_LAYERS as CHECK_LAYERS  # noqa: E402
 from ebpo_lite.qlora_check import LARGE_SHAPE as CHECK_SHAPE  # noqa: E402
+from ebpo_lite.qlora_check import json_ready  # noqa: E402  (non-finite floats as strings)
 
 OFFLINE_ENV = {  # no internet on the GPU machine: fail fast instead of waiting on the network
     "HF_HUB_OFFLINE": "1",
@@ -159,8 +160,11 @@ def install_wheels(folder: Path, target: Path | None = None) -> dict:
 # ----------------------------------------------------------------------------- variants
 
 
-def run_within_budget(variants, budget_s: float, started: float, run_one, clock=time.monotonic):
-    """Run each variant with `run_one(variant, timeout_s)` (its entry dict) while time is left.
+def run_within_budget(
+    variants, budget_s: float, started: float, run_one, clock=time.monotonic, *, done=None
+):
+    """Run each variant with `run_one(variant, timeout_s)` (its entry dict) while time is left;
+    `done(entries so far)` after each.
 
     A variant gets at most the time left of `budget_s` (counted from `started` on `clock`);
     with less than MIN_VARIANT_S left it, and every variant after it, is recorded as
@@ -174,8 +178,10 @@ def run_within_budget(variants, budget_s: float, started: float, run_one, clock=
                 {"variant": v, "status": OUT_OF_TIME, "reason": f"{max(left, 0):.0f} s left"}
             )
             print(f"gpu_smoke: {v}: {OUT_OF_TIME} ({max(left, 0):.0f} s left)", flush=True)
-            continue
-        entries.append(run_one(v, left))
+        else:
+            entries.append(run_one(v, left))
+        if done is not None:
+            done(entries)
     return entries
 
 
@@ -327,7 +333,7 @@ def run_check_child(argv: list[str], result_path: Path, device: str) -> int:
         res = qlora_check.check(device, argv, model, CHECK_LAYERS)
     for line in qlora_check.summary_lines(res):
         print(f"nf4_grads: {line}", flush=True)
-    res = qlora_check.json_ready(res)
+    res = json_ready(res)
     res.update(variant="nf4_grads", rc=0 if res["ok"] else 1, argv=argv, shape=CHECK_SHAPE)
     res["model"] = "random Qwen3 of `shape` with the tiny tokenizer (ebpo_lite.tiny)"
     res.update(wall_s=time.perf_counter() - t0, **memory_stats(device))
@@ -432,10 +438,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) / (f"gpu_smoke_{name}.json" if device == "cuda" else "cpu_rehearsal.json")
     out.parent.mkdir(parents=True, exist_ok=True)
 
-    def save(complete: bool) -> None:
+    def save(entries: list[dict], complete: bool = False) -> None:
         """The report so far; rewritten after each variant, so a run cut short keeps its results."""
-        report.update(complete=complete, wall_s=time.monotonic() - started)
-        out.write_text(json.dumps(strict_json(report), indent=2, allow_nan=False) + "\n")
+        report.update(variants=entries, complete=complete, wall_s=time.monotonic() - started)
+        out.write_text(json.dumps(json_ready(report), indent=2) + "\n")
 
     with tempfile.TemporaryDirectory(prefix="ebpo_gpu_smoke_") as tmp:
         model = build_small_model(Path(tmp) / "small") if args.model == "small" else "tiny"
@@ -444,17 +450,14 @@ def main(argv: list[str] | None = None) -> int:
             reason = missing_requirements(v)
             if reason:
                 print(f"gpu_smoke: {v}: skipped ({reason})", flush=True)
-                entry = {"variant": v, "status": "skipped", "reason": reason}
-            else:
-                timeout = min(args.timeout, left)
-                entry = run_variant(v, Path(tmp), args, dtype, model, timeout, device)
-                print(f"gpu_smoke: {v}: {entry['status']} {summary(entry)}", flush=True)
-            report["variants"].append(entry)
-            save(complete=False)
+                return {"variant": v, "status": "skipped", "reason": reason}
+            timeout = min(args.timeout, left)
+            entry = run_variant(v, Path(tmp), args, dtype, model, timeout, device)
+            print(f"gpu_smoke: {v}: {entry['status']} {summary(entry)}", flush=True)
             return entry
 
-        report["variants"] = run_within_budget(chosen, args.budget, started, run_one)
-    save(complete=True)
+        entries = run_within_budget(chosen, args.budget, started, run_one, done=save)
+    save(entries, complete=True)
     print(f"gpu_smoke: wrote {out} ({report['wall_s']:.0f} s)")
     failed = any(e["status"] == "failed" for e in report["variants"])
     return 1 if failed or (wheels and wheels["failed"]) else 0
@@ -507,17 +510,6 @@ def child_env() -> dict[str, str]:
     env = {**OFFLINE_ENV, **os.environ, "PYTHONUNBUFFERED": "1"}
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(path))
     return env
-
-
-def strict_json(x):
-    """`x` with every NaN / inf float replaced by None (strict JSON; a crash here would lose it)."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: strict_json(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [strict_json(v) for v in x]
-    return x
 
 
 def _text(b) -> str:

@@ -181,6 +181,28 @@ def test_mistakes_are_one_line(run, tmp_path, capsys, args, message):
     assert not (tmp_path / "x").exists()  # refused before anything is written
 
 
+def test_a_failure_midway_keeps_the_earlier_export_and_leaves_no_partial(
+    run, tmp_path, capsys, monkeypatch
+):
+    """The export is built beside --out and renamed over it only when whole: a failure while
+    writing (here the model card's final-eval read) leaves the earlier export as it was."""
+    from ebpo_lite import export
+
+    out = tmp_path / "x"
+    assert main([str(run), "--out", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+
+    def fail(*args):
+        raise UserError("the disk went away")
+
+    monkeypatch.setattr(export, "_final_eval", fail)
+    capsys.readouterr()
+    assert main([str(run), "--out", str(out), "--checkpoint", "step_2"]) == 2
+    assert "the disk went away" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x"]  # no .x.partial
+
+
 def test_a_truncated_adapter_leaves_no_half_export(run, tmp_path, capsys):
     """A checkpoint whose adapter file was cut short: one line naming it, and no export folder
     (the export is built beside --out and renamed over it only when complete)."""
