@@ -25,7 +25,8 @@ Presets map each public schema to `Example(prompt, answer, topic, difficulty, me
   deepscaler     problem; answer (solution kept out of meta)
   generic        data.prompt_field / answer_field (dotted paths such as reward_model.ground_truth)
 `data.topic_field` / `data.difficulty_field` override any preset's topic / difficulty.
-`preset: auto` guesses from the name or path, then from the first record's fields; setting
+`preset: auto` guesses from the name or path, then from the first record's fields (plain
+`question` + `answer` is `generic`; with a `#### n` answer it is `gsm8k`); setting
 `data.prompt_field` or `data.answer_field` with `auto` selects `generic`.
 
 Bad rows. A record that is not valid JSON, not an object, lacks a field or has the wrong type
@@ -346,8 +347,8 @@ def guess_preset(source: str, row: dict | None = None) -> str | None:
         return "olympiadbench"
     if "reward_model" in keys and "prompt" in keys:
         return "dapo_math"
-    if {"question", "answer"} <= keys and "####" in str(row.get("answer", "")):
-        return "gsm8k"
+    if {"question", "answer"} <= keys:  # GSM8K's answers end in "#### 42"; plain ones are plain
+        return "gsm8k" if "####" in str(row.get("answer", "")) else "generic"
     if {"problem", "answer"} <= keys:
         return "math"
     if {"prompt", "answer"} <= keys:

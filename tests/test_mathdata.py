@@ -159,6 +159,17 @@ def test_deepscaler_and_generic_mapping(tmp_path):
     assert (ex.prompt, ex.answer, ex.topic, ex.difficulty) == ("2+2?", "4", "arith", 2.0)
 
 
+def test_question_answer_fields_load_without_settings(tmp_path):
+    # the most common schema there is: it used to stop with "cannot guess the schema"
+    plain = _write_jsonl(tmp_path / "mine.jsonl", [{"question": "12 + 35?", "answer": "47"}])
+    (ex,) = mathdata.load_examples(DataConfig(path=str(plain)))
+    assert (ex.prompt, ex.answer) == ("12 + 35?", "47")
+    # GSM8K's answers carry their working and end in "#### n": only n is the answer
+    gsm = [{"question": "3 + 4?", "answer": "3 + 4 = <<3+4=7>>7\n#### 7"}]
+    (ex,) = mathdata.load_examples(DataConfig(path=str(_write_jsonl(tmp_path / "q.jsonl", gsm))))
+    assert (ex.prompt, ex.answer) == ("3 + 4?", "7")
+
+
 def test_cannot_guess_schema(tmp_path):
     path = _write_jsonl(tmp_path / "x.jsonl", [{"foo": 1, "bar": 2}])
     with pytest.raises(UserError, match=r"cannot guess the schema \(fields: foo, bar\)"):
