@@ -24,7 +24,7 @@ from ebpo_lite import checkpoint, cli, config, faults, rewards
 from ebpo_lite.advantages import frac_zero_std_groups
 from ebpo_lite.device import StepMemory
 from ebpo_lite.jsonl import write_atomic
-from ebpo_lite.metrics import Metrics
+from ebpo_lite.metrics import Metrics, read_metrics
 from ebpo_lite.run import Run, build_run
 from ebpo_lite.train_eval import evaluate_policy
 
@@ -108,14 +108,24 @@ def train(cfg: config.Config) -> dict[str, Any]:
     t_start = time.perf_counter()
     first_eval = last_eval = None
     eval_s = 0.0  # all evals of this invocation
+    last_eval_step = 0
     if start == 0:
         first_eval = evaluate_policy(run)
         eval_s += first_eval.get("time/eval_s", 0.0)
         metrics.log(0, first_eval)
         if first_eval:
             print(f"eval before step 1: {eval_words(first_eval)}", flush=True)
-    last_eval_step = 0
-    print(f"training: steps {start + 1}-{cfg.train.steps} into {out}", flush=True)
+    else:  # a resume: the run's own first eval, so the summary keeps its before -> after
+        first_eval = recorded_eval(metrics.path, 0)
+    if start >= cfg.train.steps:
+        last_eval, last_eval_step = recorded_eval(metrics.path, start), start
+        print(
+            f"training: nothing to do, {out} has done all {start} steps; raise train.steps "
+            "to train further",
+            flush=True,
+        )
+    else:
+        print(f"training: steps {start + 1}-{cfg.train.steps} into {out}", flush=True)
     step, steps_here = start, 0
     try:
         while step < cfg.train.steps:
@@ -165,8 +175,19 @@ def train(cfg: config.Config) -> dict[str, Any]:
         run.backend.close()
         rewards.close_contained(run.reward_fns)
     seconds = time.perf_counter() - t_start
-    summary = _summary(cfg, run, first_eval, last_eval, step, seconds, eval_s, last_eval_step)
-    return summary
+    done = (start, step)
+    return _summary(cfg, run, first_eval, last_eval, done, seconds, eval_s, last_eval_step)
+
+
+def recorded_eval(path: Path, step: int) -> dict[str, Any] | None:
+    """The eval record that `metrics.jsonl` holds for `step` (a resumed run's first eval), or
+    None when it has none."""
+    if not path.exists():
+        return None
+    for rec in read_metrics(path):
+        if rec.get("step") == step and any(k.startswith("eval/") for k in rec):
+            return {k: v for k, v in rec.items() if k.startswith(("eval/", "time/eval"))}
+    return None
 
 
 def eval_words(ev: dict[str, Any]) -> str:
@@ -181,11 +202,15 @@ def eval_words(ev: dict[str, Any]) -> str:
     return ", ".join(shown) or "no eval metrics"
 
 
-def _summary(cfg, run, first_eval, last_eval, step, seconds, eval_s, eval_step) -> dict[str, Any]:
-    """The run's summary: printed, and written to `summary.json`. "after" is the last eval of
-    this invocation: the final one, unless the run stopped early (then its step is named)."""
+def _summary(cfg, run, first_eval, last_eval, done, seconds, eval_s, eval_step) -> dict[str, Any]:
+    """The run's summary: printed, and written to `summary.json`. `done` is (the step this
+    invocation started after, the last step done). "before" is the run's first eval (a resumed
+    run's too); "after" the last eval of this invocation: the final one, unless the run stopped
+    early (then its step is named)."""
+    start, step = done
     summary: dict[str, Any] = {
         "steps_done": step,
+        "steps_this_time": step - start,
         "seconds": round(seconds, 1),
         "eval_seconds": round(eval_s, 1),
         "output_dir": str(cfg.output_dir),
@@ -196,7 +221,12 @@ def _summary(cfg, run, first_eval, last_eval, step, seconds, eval_s, eval_step) 
             summary.update({f"{name}/{k.split('/', 1)[1]}": v for k, v in ev.items()})
     ckpt = checkpoint.latest(cfg.output_dir)
     summary["checkpoint"] = str(ckpt) if ckpt else None
-    lines = [f"done: {step} steps in {seconds:.0f}s (eval {eval_s:.0f}s)"]
+    took = f"in {seconds:.0f}s (eval {eval_s:.0f}s)"
+    lines = [f"done: {step} steps {took}"]
+    if start:  # a resume: say what this invocation did
+        lines = [f"done: steps {start + 1}-{step} ({step - start} of {step}) {took}"]
+        if step == start:
+            lines = [f"done: no step left to run ({step} of {step} done before)"]
     if last_eval and eval_step != step:
         lines.append(f"(the last eval ran after step {eval_step}; the run stopped at step {step})")
     lines += learned_lines(first_eval, last_eval)

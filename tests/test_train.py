@@ -110,6 +110,29 @@ def test_resume_is_exact(tmp_path, options):
     assert [r["train/reward_mean"] for r in ma] == [r["train/reward_mean"] for r in mb]
 
 
+def test_a_resume_says_what_it_did_and_keeps_the_first_eval(tmp_path, capsys):
+    """A resume printed `done: 4 steps` for the 2 it ran and lost the run's first eval (no
+    before -> after in summary.json); resuming a finished run printed `training: steps 5-4`."""
+    out = tmp_path / "run"
+    before = train(_cfg(out, **{"train.steps": 4, "train.stop_after": 2}))
+    capsys.readouterr()
+    after = train(_cfg(out, **{"train.steps": 4, "train.resume": "true"}))
+    said = capsys.readouterr().out
+    assert "training: steps 3-4 into" in said
+    assert "done: steps 3-4 (2 of 4) in" in said
+    assert after["steps_done"] == 4 and after["steps_this_time"] == 2
+    assert after["before/accuracy"] == before["before/accuracy"]  # the run's step-0 eval
+    assert json.loads((out / "summary.json").read_text())["before/accuracy"] == after[
+        "before/accuracy"
+    ]
+    again = train(_cfg(out, **{"train.steps": 4, "train.resume": "true"}))
+    said = capsys.readouterr().out
+    assert "training: nothing to do" in said and "steps 5-4" not in said
+    assert "done: no step left to run (4 of 4 done before)" in said
+    assert again["before/accuracy"] == before["before/accuracy"]
+    assert again["after/accuracy"] == after["after/accuracy"]  # the step-4 eval, kept
+
+
 @pytest.mark.parametrize(
     "extra",
     [
