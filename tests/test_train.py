@@ -122,9 +122,10 @@ def test_a_resume_says_what_it_did_and_keeps_the_first_eval(tmp_path, capsys):
     assert "done: steps 3-4 (2 of 4) in" in said
     assert after["steps_done"] == 4 and after["steps_this_time"] == 2
     assert after["before/accuracy"] == before["before/accuracy"]  # the run's step-0 eval
-    assert json.loads((out / "summary.json").read_text())["before/accuracy"] == after[
-        "before/accuracy"
-    ]
+    assert (
+        json.loads((out / "summary.json").read_text())["before/accuracy"]
+        == after["before/accuracy"]
+    )
     again = train(_cfg(out, **{"train.steps": 4, "train.resume": "true"}))
     said = capsys.readouterr().out
     assert "training: nothing to do" in said and "steps 5-4" not in said
