@@ -190,6 +190,9 @@ def machine(cfg: Config) -> None:
             f"train.threads: {t.threads} asked for, but this process may use {cores} CPU "
             f"cores; use at most train.threads={cores} (0: torch's default)"
         )
+    from ebpo_lite import stack
+
+    stack.check(cfg, device)  # GPU stack vs config: window, vLLM's bitsandbytes, NF4 reloads
     if cfg.rollout.backend == "vllm":
         if device.type == "cpu" and cores > 1 and t.threads >= cores:
             raise ConfigError(

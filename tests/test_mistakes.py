@@ -212,11 +212,12 @@ MISTAKES = [
     Mistake("resume_fewer_steps", (R, "train.resume=true", "train.steps=2"), "train.steps: 2 is below the 3 steps", "resume with train.steps=3 or more", _run_with_checkpoints()),
 ]  # fmt: skip
 
-_NEED_CPU_ONLY = {"model_device_cuda", "flash_attention_on_cpu", "unsloth_on_cpu"}
+_NEED_CPU_ONLY = {"model_device_cuda", "flash_attention_on_cpu", "unsloth_on_cpu", "nf4_vllm_recipe_on_cpu"}  # fmt: skip
 _CPU_ONLY = [
     Mistake("model_device_cuda", (R, "model.device=cuda"), "model.device", "use model.device=cpu or auto"),
     Mistake("flash_attention_on_cpu", (R, "model.attn_implementation=flash_attention_2"), "model.attn_implementation", "use sdpa"),
     Mistake("unsloth_on_cpu", (R, "rollout.backend=unsloth"), "rollout.backend: unsloth needs a CUDA GPU", "use rollout.backend=hf"),
+    Mistake("nf4_vllm_recipe_on_cpu", ("recipes/qwen3_8b_lora.yaml",), "model.load_in_4bit: Qwen/Qwen3-8B", "run it on a CUDA GPU"),
 ]  # fmt: skip
 
 
