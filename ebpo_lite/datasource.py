@@ -1,10 +1,11 @@
 """Where the presets' and benchmarks' rows come from: a local data folder, else the hub.
 
-`local_data_root` finds the folder (`data.data_dir`, else EBPO_LITE_DATA, else ../shared/data),
-laid out as shared/data (`presets.LOCAL_FILES`). `hub_records` reads a hub dataset with
-`datasets.load_dataset`, which shows its download progress and caches it; offline (HF_HUB_OFFLINE /
-HF_DATASETS_OFFLINE, or no connection) without a cached copy it is one `UserError` line naming the
-dataset and the setting that points at a local copy, never the library's exception text as is.
+`local_data_root` finds the folder (`data.data_dir`, else EBPO_LITE_DATA; no folder is guessed),
+laid out as `presets.LOCAL_FILES` says (`gsm8k/train.jsonl`, `math500/test.jsonl`, ...).
+`hub_records` reads a hub dataset with `datasets.load_dataset`, which shows its download progress
+and caches it; offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE, or no connection) without a cached
+copy it is one `UserError` line naming the dataset and the setting that points at a local copy,
+never the library's exception text as is.
 `mathdata` maps the rows to examples.
 """
 
@@ -22,23 +23,15 @@ log = logging.getLogger("ebpo_lite.mathdata")
 
 
 def local_data_root(data_dir: str | None = None) -> tuple[Path | None, str]:
-    """(the local data folder, the setting that named it): `data.data_dir`, else EBPO_LITE_DATA,
-    else the first of ../shared/data beside the cwd or beside the repo; (None, "") when none.
-    The folder is laid out as shared/data (`presets.LOCAL_FILES`); what it lacks comes from the
-    hub."""
+    """(the local data folder, the setting that named it): `data.data_dir`, else EBPO_LITE_DATA;
+    (None, "") when neither is set. No folder is guessed from where the code or the shell is, so
+    a run reads the data it was told to. The folder is laid out as `presets.LOCAL_FILES` says;
+    what it lacks comes from the hub."""
     if data_dir:
         return Path(data_dir).expanduser(), f"data.data_dir={data_dir}"
     env = os.environ.get("EBPO_LITE_DATA")
     if env:
         return Path(env).expanduser(), f"EBPO_LITE_DATA={env}"
-    repo = Path(__file__).resolve().parents[1]
-    for cand in (
-        Path.cwd().parent / "shared" / "data",
-        repo.parent / "shared" / "data",
-        Path.cwd() / "shared" / "data",
-    ):
-        if cand.is_dir():
-            return cand, str(cand)
     return None, ""
 
 

@@ -6,7 +6,8 @@ CUDA. Choices made for `auto`:
 
 - device: `cuda` (device 0) when a CUDA device is visible, else `cpu`.
 - dtype: float32 on CPU (the tiny model is small and fp32 keeps trainer and vLLM-CPU log-probs
-  within 1e-5, see shared/PLATFORM.md); on a GPU bfloat16 when the GPU computes it natively
+  about 2e-5 apart, tests/test_vllm_rollout.py; in bf16 they differ by about 0.035 nats); on a
+  GPU bfloat16 when the GPU computes it natively
   (compute capability >= 8.0: A100, A10G, L4, RTX 30xx/40xx, H100, H200), else float16 (T4 is 7.5,
   V100 7.0, P100 6.0). `torch.cuda.is_bf16_supported()` is not used on purpose: by default it also
   answers True for GPUs that only emulate bf16 (T4), which is slow and where many kernels lack it.

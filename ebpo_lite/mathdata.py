@@ -4,7 +4,7 @@ Sources (`DataConfig`):
 - `data.path`: a local `.json` (one array, or JSON lines), `.jsonl` / `.ndjson` or `.parquet` file.
 - `data.name`: a preset name (gsm8k, math, math500, aime, aime24, aime25, amc23, olympiadbench,
   dapo_math, deepscaler) or a hub dataset id. A preset is read from the local data folder when
-  one is set up and holds its file (`data.data_dir`, else EBPO_LITE_DATA, else ../shared/data:
+  one is set up and holds its file (`data.data_dir`, else EBPO_LITE_DATA:
   `local_data_root`), else from its hub id (`presets.HUB`) with `datasets.load_dataset`, which
   shows its download progress and caches it; `aime` (AIME 1983-2023) is local only. A hub id is
   loaded with `load_dataset(id, split=data.split)`; write `id:config` for a dataset config

