@@ -437,10 +437,13 @@ class Policy:
         peft `modules_to_save` (`add_extra_weights`), so that `PeftModel.from_pretrained(base,
         out_dir)` is the trained model. Without it (the samplers' copy) the folder holds LoRA
         alone: vLLM's LoRA loader refuses any other tensor, and the vLLM sampler reloads the
-        trained base tensors itself (`export_base`).
+        trained base tensors itself (`export_base`). No hub call: peft's default
+        `save_embedding_layers="auto"` asks the hub whether the base has a config.json on every save
+        unless HF_HUB_OFFLINE (peft 0.17-0.21 `get_peft_model_state_dict`); the vocabulary is never
+        resized here, so there are no embedding weights to save.
         """
         out = Path(out_dir)
-        self.model.save_pretrained(out, safe_serialization=True)
+        self.model.save_pretrained(out, safe_serialization=True, save_embedding_layers=False)
         if with_extra and self.trains_base:
             extra = {
                 n: p.detach().cpu()

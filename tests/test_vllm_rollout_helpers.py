@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
+import tempfile
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -105,6 +109,107 @@ def test_adapter_root_is_writable():
     assert root.is_dir() and os.access(root, os.W_OK)
     if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
         assert str(root) == "/dev/shm"
+
+
+FLAGSHIP_EXCHANGE = 2 * 350 * 10**6  # two versions of the flagship's fp32 adapter (~350 MB)
+
+
+@pytest.mark.parametrize(
+    "free_mib,need,on_shm",
+    [
+        (64, FLAGSHIP_EXCHANGE, False),  # Docker's default /dev/shm: the temp dir
+        (700, FLAGSHIP_EXCHANGE, False),  # room for one version only, not for the headroom
+        (800, FLAGSHIP_EXCHANGE, True),
+        (64, 2 * 10**6, False),  # even a tiny adapter: 64 MiB is all headroom
+        (100, 2 * 10**6, True),
+    ],
+)
+def test_adapter_root_is_dev_shm_only_with_room(monkeypatch, free_mib, need, on_shm):
+    """The free space is faked (a full /dev/shm cannot be made here); the rule is real."""
+    if not (os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)):
+        pytest.skip("no writable /dev/shm")
+    monkeypatch.setattr(rv, "_free_bytes", lambda path: free_mib * 2**20)
+    root = rv.adapter_root(need)
+    assert root == (rv.SHM if on_shm else Path(tempfile.gettempdir()))
+    lines = []
+    workdir = rv.adapter_workdir("test", need, lines.append)
+    try:
+        assert workdir.parent == root and workdir.name.startswith(f"ebpo_lite_test_{os.getpid()}_")
+        assert bool(lines) != on_shm  # the fallback is said, with the fix
+        assert not lines or "docker run --shm-size" in lines[0]
+    finally:
+        workdir.rmdir()
+
+
+def test_exchange_bytes_counts_two_adapter_versions_and_a_trained_base(tmp_path):
+    """From the policy's own parameters (the tiny model with LoRA, fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    from ebpo_lite.policy import Policy, _add_lora
+    from ebpo_lite.tiny import save_random_qwen3
+
+    model = AutoModelForCausalLM.from_pretrained(save_random_qwen3(tmp_path / "base"))
+    m = config.load(None, ["model.trainable_extra=[norm]"]).model
+    model = _add_lora(model, m)
+    lora = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    base = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
+    policy = Policy(model, None, torch.device("cpu"), "base", 16, [], torch.float32)
+    assert rv.exchange_bytes(policy) == 2 * 4 * lora  # the base stays out of it
+    policy.trainable_extra = ["norm"]  # then the base is exported (and reloaded) each sync too
+    assert rv.exchange_bytes(policy) == 2 * 4 * lora + 4 * base
+
+
+def test_adapter_workdir_removes_folders_of_dead_processes_only(tmp_path, monkeypatch):
+    """A killed run leaves its folders in /dev/shm (memory) until reboot: the next run removes
+    them; a live process's (this one's) and folders of another naming stay."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    monkeypatch.setattr(rv, "SHM", tmp_path)  # the root under test, instead of the real /dev/shm
+    monkeypatch.setattr(rv, "_free_bytes", lambda path: 2**40)
+    gone = tmp_path / f"ebpo_lite_vllm_{dead}_abc"
+    kept = [tmp_path / f"ebpo_lite_vllm_{os.getpid()}_abc", tmp_path / "ebpo_lite_vllm_r3sc60q_"]
+    for d in (gone, *kept):
+        (d / "adapter-v3").mkdir(parents=True)
+    new = rv.adapter_workdir("vllm", 0)
+    assert not gone.exists() and all(d.is_dir() for d in kept) and new.parent == tmp_path
+
+
+@pytest.mark.parametrize(
+    "engine,trainer,visible,expected",
+    [
+        (0, 0, None, {}),  # the default single-GPU layout: in process
+        (None, None, None, {}),  # "cuda" with no index is cuda:0
+        (1, 0, None, "1"),  # the two-GPU layout
+        (1, 1, None, "1"),  # colocated on cuda:1: in process, vLLM's worker would take cuda:0
+        (3, 3, "4,5,6,7", "7"),
+        (0, 1, None, "0"),  # in process, the worker would make cuda:0 the trainer's current GPU
+    ],
+)
+def test_an_engine_off_cuda_0_gets_its_own_process_on_its_gpu(engine, trainer, visible, expected):
+    env = rv.engine_process_env(engine, trainer, visible)
+    if expected == {}:
+        assert env == {}
+    else:
+        assert env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "CUDA_VISIBLE_DEVICES": expected}
+
+
+def test_vllm_backend_on_cuda_n_starts_its_engine_in_its_own_process(monkeypatch):
+    """`VLLMRollout._engine_env` with both sides on cuda:1 (devices faked: no GPU here; the method
+    reads only these attributes)."""
+    from types import SimpleNamespace as NS
+
+    from ebpo_lite.rollout.vllm import VLLMRollout
+
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    cfg = config.load(None, ["train.threads=1"])
+    one = torch.device("cuda", 1)
+    fake = NS(cfg=cfg, on_gpu=True, device=one, policy=NS(device=one))
+    env = VLLMRollout._engine_env(fake)
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1" and env["CUDA_VISIBLE_DEVICES"] == "3"
+    zero = torch.device("cuda", 0)
+    env = VLLMRollout._engine_env(NS(cfg=cfg, on_gpu=True, device=zero, policy=NS(device=zero)))
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and "CUDA_VISIBLE_DEVICES" not in env
 
 
 def test_preserved_rng_restores_python_numpy_and_torch_streams():

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import tempfile
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,12 +115,76 @@ def truncation_warning(top_p: float, top_k: int, min_p: float, is_correction: st
     return msg
 
 
-def adapter_root() -> Path:
-    """Where adapter folders go: /dev/shm when it exists and is writable, else the temp dir."""
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK):
-        return shm
+SHM = Path("/dev/shm")
+SHM_HEADROOM = 64 * 2**20  # left free in /dev/shm for others (torch's shared tensors, NCCL ...)
+
+
+def exchange_bytes(policy: Any) -> int:
+    """Bytes the sampler's exchange folder holds at its fullest, from the policy's parameters.
+
+    Two adapter versions: `sync` writes the new LoRA tensors before it deletes the old ones (in
+    the parameters' dtype: peft keeps LoRA in fp32 by default, ~350 MB for the flagship). A
+    policy that trains base tensors (`trains_base`) also exports the whole base for a reload;
+    counted at its stored size (an NF4 weight was 16-bit on disk: 2 codes per byte, 2 bytes each).
+    """
+    adapter = base = 0
+    for name, p in policy.model.named_parameters():
+        if "lora_" in name:
+            adapter += p.numel() * p.element_size() if p.requires_grad else 0
+        elif getattr(p, "quant_state", None) is not None:
+            base += p.numel() * 4
+        else:
+            base += p.numel() * p.element_size()
+    return 2 * adapter + (base if policy.trains_base else 0)
+
+
+def _free_bytes(path: Path) -> int:
+    return shutil.disk_usage(path).free
+
+
+def adapter_root(need_bytes: int = 0) -> Path:
+    """Where adapter folders go: /dev/shm (memory: fast, and no disk wear) when it is writable and
+    has `need_bytes` + SHM_HEADROOM free, else the temp dir. Docker gives /dev/shm 64 MiB."""
+    if SHM.is_dir() and os.access(SHM, os.W_OK | os.X_OK):
+        if _free_bytes(SHM) >= need_bytes + SHM_HEADROOM:
+            return SHM
     return Path(tempfile.gettempdir())
+
+
+def adapter_workdir(kind: str, need_bytes: int, log: Callable[[str], None] = print) -> Path:
+    """A fresh exchange folder `ebpo_lite_<kind>_<pid>_*` under `adapter_root(need_bytes)`, after
+    removing those of processes that are gone (a killed run's folders stay in /dev/shm, in RAM,
+    until the next boot)."""
+    root = adapter_root(need_bytes)
+    if root != SHM and SHM.is_dir():
+        log(
+            f"adapter exchange: /dev/shm has {_free_bytes(SHM) / 2**20:.0f} MiB free, the sampler "
+            f"needs {need_bytes / 2**20:.0f} MiB + {SHM_HEADROOM // 2**20} MiB headroom there: "
+            f"using {root} (on disk, slower; raise it with docker run --shm-size)"
+        )
+    remove_stale_workdirs(root)
+    return Path(tempfile.mkdtemp(prefix=f"ebpo_lite_{kind}_{os.getpid()}_", dir=root))
+
+
+def remove_stale_workdirs(root: Path) -> list[Path]:
+    """Delete the `ebpo_lite_<kind>_<pid>_*` folders in `root` whose process no longer exists."""
+    removed = []
+    for d in root.glob("ebpo_lite_*_*_*"):
+        pid = d.name.split("_")[3]
+        if d.is_dir() and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def visible_device_for(index: int, parent_visible: str | None) -> str:
@@ -133,6 +198,27 @@ def visible_device_for(index: int, parent_visible: str | None) -> str:
             f"{parent_visible!r} shows {len(devices)} device(s)"
         )
     return devices[index]
+
+
+def engine_process_env(
+    engine_index: int | None, trainer_index: int | None, parent_visible: str | None
+) -> dict[str, str]:
+    """For a vLLM engine on CUDA GPU `engine_index` beside a trainer on `trainer_index`: {} to run
+    it in this process, or the environment that starts it in its own process on that GPU.
+
+    vLLM has no device argument (until `device_ids` in 0.34): its worker takes
+    `cuda:{local_rank}`, index 0 for one GPU (vllm/v1/worker/gpu_worker.py `init_device`, 0.32
+    and 0.34), and sets it as the process's current device. So an in-process engine is right
+    only when both sides are on cuda:0; otherwise it gets a process of its own (V1
+    multiprocessing) whose CUDA_VISIBLE_DEVICES shows it only its GPU as cuda:0 (a CUDA context
+    of its own, also when it shares the trainer's GPU).
+    """
+    if (engine_index or 0) == 0 and (trainer_index or 0) == 0:
+        return {}
+    return {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+        "CUDA_VISIBLE_DEVICES": visible_device_for(engine_index or 0, parent_visible),
+    }
 
 
 @contextmanager

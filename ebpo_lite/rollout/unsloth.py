@@ -13,7 +13,16 @@ With `fast_inference=True` Unsloth starts one vLLM engine whose base weights ARE
 second copy of the base in GPU memory, the point of this backend), so the policy must be built by
 Unsloth too: `load_unsloth_policy(cfg)` does that and returns an ordinary `Policy`, and
 `UnslothRollout` refuses any other policy. Sync is still adapter-only, as in `rollout/vllm.py`:
-the adapter is saved to a fresh folder (in /dev/shm when writable) and loaded under a new id.
+the adapter is saved to a fresh folder (in /dev/shm when it has room, `common.adapter_workdir`)
+and loaded under a new id, with no call to the hub (`save_embedding_layers=False`: see
+`policy.Policy.export_adapter`).
+
+Names: Unsloth swaps a hub id for its own repository (unsloth/models/loader_utils.py
+`get_model_name` over mapper.py, 2026.10.9: in 4-bit `Qwen/Qwen3-8B` loads
+`unsloth/Qwen3-8B-unsloth-bnb-4bit`, in 16-bit `unsloth/Qwen3-8B`); transformers records the id
+it loaded as `name_or_path`. The policy's `base_path` and every adapter's
+`base_model_name_or_path` (checkpoints, exports) name that base (`loaded_base`, `name_base`).
+Load errors are one line (`load_error`), the 4-bit one with its fix.
 
 Departures from `rollout/vllm.py`: no trainable base tensors (`model.trainable_extra` must be
 empty: base weights are shared with vLLM, whose caches would go stale), no sleep / wake (Unsloth
@@ -27,9 +36,7 @@ log-probs are not the trainer's, and rollout/logp_diff_* shows that gap.
 from __future__ import annotations
 
 import shutil
-import tempfile
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,9 +44,10 @@ import torch
 from ebpo_lite.errors import ConfigError, UserError
 from ebpo_lite.rollout.common import (
     Rollout,
-    adapter_root,
+    adapter_workdir,
     check_lengths,
     derive_max_model_len,
+    exchange_bytes,
     maybe_warn_truncation,
     outputs_to_rollout,
     preserved_rng,
@@ -70,11 +78,64 @@ def _import_unsloth():
         from vllm import SamplingParams
     # unsloth raises NotImplementedError / RuntimeError at import too, not only ImportError
     except Exception as e:
+        if _lacks_bnb(str(e)):
+            raise load_error(e, "unsloth") from None
         raise UserError(
             "rollout.backend=unsloth: unsloth (with vllm) is not importable "
-            f"(pip install 'ebpo-lite[unsloth]'): {type(e).__name__}: {e}"
+            f"(pip install 'ebpo-lite[unsloth]'): {type(e).__name__}: {_first_line(e)}"
         ) from None
     return FastLanguageModel, SamplingParams
+
+
+# What a 4-bit Unsloth load raises when vLLM has no bitsandbytes method: unsloth_zoo
+# vllm_utils.py `load_vllm` (2026.10.9) raises RuntimeError("Unsloth: vLLM >= 0.28 moved
+# bitsandbytes out of tree. Install it with `pip install vllm-bnb-plugin` to use load_in_4bit
+# with fast_inference."); vLLM itself, vllm/config/model.py (0.34): "Unknown quantization method:
+# bitsandbytes. Must be one of ..."; an unsloth_zoo older than the move imports the in-tree
+# module and fails with "No module named 'vllm.model_executor.layers.quantization.bitsandbytes'".
+_NO_BNB = (
+    "moved bitsandbytes out of tree",
+    "Unknown quantization method: bitsandbytes",
+    "quantization.bitsandbytes",
+)
+# What `from_pretrained` raises for a bad name, a missing package or too little memory
+LOAD_ERRORS = (OSError, ValueError, RuntimeError, ImportError, NotImplementedError)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _lacks_bnb(text: str) -> bool:
+    return any(marker in text for marker in _NO_BNB)
+
+
+def load_error(e: BaseException, name: str) -> UserError:
+    """One line for an exception Unsloth raised while loading `name`, with the fix when known."""
+    if _lacks_bnb(str(e)):
+        return UserError(
+            "model.load_in_4bit: Unsloth's fast_inference samples the 4-bit base with vLLM's "
+            "bitsandbytes method, which this vLLM lacks (vLLM >= 0.28 ships it as the "
+            "vllm-bnb-plugin package, and an Unsloth older than that move cannot find it): "
+            "pip install -U vllm-bnb-plugin unsloth unsloth_zoo, or set model.load_in_4bit=false"
+        )
+    why = f"{type(e).__name__}: {_first_line(e)}"
+    return UserError(f"model.name: Unsloth cannot load {name!r} ({why})")
+
+
+def loaded_base(model: Any, requested: str) -> str:
+    """The base Unsloth really loaded (its own repository for a mapped hub id; see the module
+    docstring): the model's `name_or_path`, else `requested`."""
+    name = getattr(model, "name_or_path", None)
+    name = name or getattr(getattr(model, "config", None), "_name_or_path", None)
+    return str(name) if name else requested
+
+
+def name_base(model: Any, base: str) -> None:
+    """Make every adapter of peft `model` record `base` as its `base_model_name_or_path`."""
+    for adapter_cfg in getattr(model, "peft_config", {}).values():
+        adapter_cfg.base_model_name_or_path = base
 
 
 def load_unsloth_policy(cfg: Config, log: Callable[[str], None] = print) -> Policy:
@@ -114,8 +175,9 @@ def load_unsloth_policy(cfg: Config, log: Callable[[str], None] = print) -> Poli
             gpu_memory_utilization=r.gpu_memory_utilization,
             random_state=cfg.train.seed,
         )
-    except OSError as e:
-        raise UserError(f"model.name: Unsloth cannot load {base_path!r} ({e})") from None
+    except LOAD_ERRORS as e:
+        raise load_error(e, base_path) from None
+    base = loaded_base(model, base_path)
     targets = (
         ALL_LINEAR if list(m.lora_target_modules) == ["all-linear"] else list(m.lora_target_modules)
     )
@@ -129,13 +191,15 @@ def load_unsloth_policy(cfg: Config, log: Callable[[str], None] = print) -> Poli
         random_state=cfg.train.seed,
         use_gradient_checkpointing="unsloth" if m.gradient_checkpointing else False,
     )
+    name_base(model, base)  # what checkpoints and exports name as the base
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    loaded = f" (Unsloth loaded {base})" if base != base_path else ""
     log(
-        f"Unsloth policy: {m.name} (4-bit: {m.load_in_4bit}), LoRA rank {m.lora_rank}, "
+        f"Unsloth policy: {m.name}{loaded} (4-bit: {m.load_in_4bit}), LoRA rank {m.lora_rank}, "
         "vLLM engine shares the base weights"
     )
-    return Policy(model, tokenizer, device, m.name, m.lora_rank, [], dtype)
+    return Policy(model, tokenizer, device, base, m.lora_rank, [], dtype)
 
 
 class UnslothRollout:
@@ -157,7 +221,7 @@ class UnslothRollout:
             cfg.data.max_prompt_tokens, r.max_new_tokens, None, r.max_model_len
         )
         maybe_warn_truncation(cfg)
-        self.workdir = Path(tempfile.mkdtemp(prefix="ebpo_lite_unsloth_", dir=adapter_root()))
+        self.workdir = adapter_workdir("unsloth", exchange_bytes(policy), log)
         self.lora_request: Any = None
         self.used_ids: list[int] = []
         self.sync(policy, version=0)
@@ -194,7 +258,7 @@ class UnslothRollout:
     def sync(self, policy: Policy, version: int) -> None:
         """Save the adapter to a fresh folder and serve it under a new LoRARequest id."""
         folder = self.workdir / f"adapter-v{version}-{len(self.used_ids)}"
-        policy.model.save_lora(str(folder))
+        policy.model.save_lora(str(folder), save_embedding_layers=False)  # no hub call
         old, self.lora_request = self.lora_request, policy.model.load_lora(str(folder))
         if self.lora_request.lora_int_id in self.used_ids:
             raise RuntimeError(f"Unsloth reused LoRA id {self.lora_request.lora_int_id}")

@@ -3,7 +3,7 @@ its engine-free helpers are in `rollout/common.py`).
 
 One `vllm.LLM` holds its own copy of the base weights, loaded once from `policy.base_path`, and
 serves the policy's LoRA adapter. After each optimizer step `sync` exports the adapter alone
-(a peft folder, under /dev/shm when it is writable) and the next `generate` names it with a new
+(a peft folder, under /dev/shm when it has room) and the next `generate` names it with a new
 `LoRARequest` whose integer id and name are never reused: vLLM caches adapters by id (an old id
 serves the OLD adapter even after its files are overwritten) and prefixes by name and path.
 The base is never merged into or pushed with the adapter. The one exception is a policy that
@@ -22,9 +22,14 @@ Process and devices:
   last engine closes), so threads are set first (from `train.threads`) and the RNG states are
   saved and restored around engine creation and every `generate`: the trainer's random stream
   does not depend on the sampler.
-- Two-GPU layout: `rollout.device: cuda:1` (with the trainer on `cuda:0`) starts the engine in
-  its own process (V1 multiprocessing) with `CUDA_VISIBLE_DEVICES` naming that one GPU for the
-  child; vLLM has no device argument and an in-process engine always takes the current GPU.
+- Off cuda:0: the two-GPU layout (`rollout.device: cuda:1`, trainer on `cuda:0`), and also
+  both sides on one `cuda:N` with N > 0, start the engine in its own process (V1
+  multiprocessing) with `CUDA_VISIBLE_DEVICES` naming that one GPU for the child: vLLM's worker
+  takes `cuda:0` of what it sees (`common.engine_process_env`). On CPU the vllm tier runs this
+  mode too (tests/test_vllm_multiprocess.py); only the device placement is left to a GPU.
+- Adapters go through /dev/shm when it has room for two versions (`common.adapter_workdir`;
+  Docker's default is 64 MiB), else the temp dir; each sync deletes the previous version once
+  the engine has dropped it (`generate` returns only after every request, so no read is left).
 - `rollout.sleep_between_phases`: the loop calls `sleep()` before training (level 1: weights to
   host memory, KV cache freed) and `wake()` once before a sampling phase (all rollout draws of a
   step, all eval chunks); `generate` and a base reload wake it if needed, never put it back to
@@ -61,10 +66,8 @@ from __future__ import annotations
 import gc
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
@@ -74,16 +77,17 @@ from ebpo_lite.errors import ConfigError, UserError
 from ebpo_lite.rollout.common import (
     VLLM_LORA_RANKS,
     Rollout,
-    adapter_root,
+    adapter_workdir,
     check_lengths,
     derive_max_model_len,
+    engine_process_env,
+    exchange_bytes,
     maybe_warn_truncation,
     outputs_to_rollout,
     patched_env,
     preserved_rng,
     round_lora_rank,
     sampling_params,
-    visible_device_for,
 )
 
 if TYPE_CHECKING:
@@ -116,7 +120,7 @@ class VLLMRollout:
             r.max_model_len,
         )
         maybe_warn_truncation(cfg)
-        self.workdir = Path(tempfile.mkdtemp(prefix="ebpo_lite_vllm_", dir=adapter_root()))
+        self.workdir = adapter_workdir("vllm", exchange_bytes(policy), log)
         self.lora_request: Any = None  # vllm LoRARequest of the current policy version
         self.used_ids: list[int] = []  # every LoRA int id handed to the engine, in order
         self.asleep = False
@@ -203,12 +207,9 @@ class VLLMRollout:
         }
         if self.cfg.train.threads and "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = str(self.cfg.train.threads)  # vLLM keeps torch's threads
-        p = self.policy.device
-        if self.on_gpu and p.type == "cuda" and (self.device.index or 0) != (p.index or 0):
-            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # its own process, on its own GPU
-            env["CUDA_VISIBLE_DEVICES"] = visible_device_for(
-                self.device.index or 0, os.environ.get("CUDA_VISIBLE_DEVICES")
-            )
+        if self.on_gpu:  # off cuda:0, its own process on its GPU (`engine_process_env`)
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            env.update(engine_process_env(self.device.index, self.policy.device.index, visible))
         return env
 
     # -- the Protocol
