@@ -9,19 +9,19 @@ step and in total. Only the method, G and the seed change. Runs are paired: a se
 method the same warmed-up start, the same LoRA initialisation and (for shuffled data) the same
 prompt stream. Methods:
 
-- `grpo`, `dr_grpo`, `rloo`: the baselines of ALGORITHM.md section 1;
+- `grpo`, `dr_grpo`, `rloo`: the baselines of docs/algorithm.md section 2;
 - `dapo`: GRPO with DAPO's dynamic sampling at equal compute: groups whose rewards are all equal
   are dropped from the loss and NOT refilled (`max_extra_draws=0`; refilling would generate more);
 - `ebpo`: the paper variant on shuffled data; `ebpo_topic`, `ebpo_difficulty`: the paper's two
   orders (`curriculum.sampler`);
 - `ebpo_nocenter`, `ebpo_moments` (`tau2=moments`, `sigma2=within`), `ebpo_decay` (`decay=0.99`),
-  `ebpo_key_topic` (`prior_key=topic`): the beyond-paper options of ALGORITHM.md section 3;
+  `ebpo_key_topic` (`prior_key=topic`): the beyond-paper options of docs/algorithm.md section 4;
 - `ebpo_prompt` (`prompt_prior`), `ebpo_loo_prompt` (with `leave_one_out`): the options of
-  `ebpo_lite.advantages` beyond ALGORITHM.md. `leave_one_out` alone is not run: with one G and no
-  masked completions it gives the paper's advantages exactly (up to the whitening's eps; proved
-  in `ebpo_lite.advantages`, tested in tests/test_ebpo_options.py); `grpo_adaptive`,
-  `ebpo_loo_prompt_adaptive` (`curriculum.sampler=adaptive`) and `ebpo_loo_prompt_dapo` (dynamic
-  sampling as in `dapo`) tell estimator gains from sampling gains
+  `ebpo_lite.advantages` added later (docs/algorithm.md section 4). `leave_one_out` alone is
+  not run: with one G and no masked completions it gives the paper's advantages exactly (up to
+  the whitening's eps; proved in `ebpo_lite.advantages`, tested in tests/test_ebpo_options.py);
+  `grpo_adaptive`, `ebpo_loo_prompt_adaptive` (`curriculum.sampler=adaptive`) and
+  `ebpo_loo_prompt_dapo` (dynamic sampling as in `dapo`) tell estimator gains from sampling gains
   (benchmarks/beyond_paper.py tabulates them against `grpo` and `ebpo`).
 
 Per run: held-out exact expected accuracy and greedy accuracy (256 problems) every 25 steps;
@@ -66,7 +66,7 @@ METHODS: dict[str, list[str]] = {
     "ebpo_moments": ["algo.estimator=ebpo", "algo.tau2=moments", "algo.sigma2=within"],
     "ebpo_decay": ["algo.estimator=ebpo", "algo.decay=0.99"],
     "ebpo_key_topic": ["algo.estimator=ebpo", "algo.prior_key=topic"],
-    # issue 12: options beyond the paper and beyond ALGORITHM.md, then with the two samplers
+    # issue 12: this project's own options (prompt_prior, leave_one_out), then with two samplers
     "ebpo_prompt": ["algo.estimator=ebpo", "algo.prompt_prior=true"],
     "ebpo_loo_prompt": ["algo.estimator=ebpo", "algo.leave_one_out=true", "algo.prompt_prior=true"],
     "grpo_adaptive": ["algo.estimator=grpo", "curriculum.sampler=adaptive"],

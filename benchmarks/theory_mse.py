@@ -3,7 +3,8 @@ lower mean squared error than the group mean (GRPO's baseline).
 
 Model: each prompt has a success rate theta ~ Beta(a, b); its G completions get 0/1 rewards
 ~ Bernoulli(theta). A stream of `steps` batches of B prompts runs through `EBPrior` with the real
-`ebpo_advantages` (online plug-in statistics, current batch included, as ALGORITHM.md step 1).
+`ebpo_advantages` (online plug-in statistics, current batch included: docs/algorithm.md
+section 3, step 1).
 After `warmup` steps we measure, against the true theta of every prompt:
     group mean         V = mean_g                                     (GRPO, Dr. GRPO)
     EB paper           V = (1 - S) mean_g + S mu_glob                 EBPrior() (tau2 raw, sigma2 total)

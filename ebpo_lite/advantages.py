@@ -1,6 +1,6 @@
 """Advantage estimators: GRPO, Dr. GRPO, RLOO and EBPO (GRPO with an empirical-Bayes baseline).
 
-Implements ../shared/ALGORITHM.md sections 1-3 (Han et al., "EBPO", arXiv:2602.05165, Alg. 1).
+Implements docs/algorithm.md sections 2-4 (Han et al., "EBPO", arXiv:2602.05165, Alg. 1).
 
 Notation
     B        prompts per step (rows); G completions per prompt (columns), G >= 2
@@ -26,8 +26,8 @@ Estimators (A has the rewards' shape and dtype; everything is computed in float6
     After step 6 mu_glob cancels: A = [(R - mean_g) + S (mean_g - mean(R))] / (std(A_raw) + 1e-6);
     history enters only through S. An all-fail row gets -S mean(R) / std (GRPO gives 0).
 
-Options of ebpo beyond ALGORITHM.md (EBPrior flags, each off by default; the prior's own
-options - tau2, sigma2, center, decay, keys - are documented in `ebprior`)
+Options of ebpo beyond the paper (docs/algorithm.md section 4; EBPrior flags, each off by default;
+the prior's own options - tau2, sigma2, center, decay, keys - are documented in `ebprior`)
     leave_one_out    completion i's baseline uses the OTHER valid completions of its group,
                      shrunk with the shrinkage of a group of n_b - 1:
                          mean_-i = (n_b mean_g - R_i) / (n_b - 1)
@@ -70,14 +70,15 @@ options - tau2, sigma2, center, decay, keys - are documented in `ebprior`)
                      row (`prompts=`); mu_p differs per prompt, so re-centring no longer cancels it.
 
 Where the paper is silent (choices fixed here)
-    - Population Welford variance M2 / n (ALGORITHM.md fixes it); eps 1e-4 (GRPO), 1e-6 (EBPO).
+    - Population Welford variance M2 / n; eps 1e-4 (GRPO), 1e-6 (EBPO); docs/algorithm.md
+      section 9 lists every such choice.
     - Masks: masked entries enter no statistic and get A = 0. A row with fewer than 2 valid
       entries gets A = 0 everywhere and enters no statistic at all (no group mean, no rewards).
       With a mask, S uses the row's own n_b (the sampling variance of its mean is sigma2 / n_b);
       without a mask n_b = G and S is one scalar per step, as in the paper.
     - A step with no valid row returns zeros and updates nothing (the step counter still moves).
     - Dynamic sampling (DAPO) trains on fewer groups than it scores: `EBPrior.observe` runs step 1
-      on every drawn group (W_r receives every reward, as ALGORITHM.md says) and
+      on every drawn group (W_r receives every reward: docs/algorithm.md section 5) and
       `ebpo_advantages(kept, prior, observe=False)` runs steps 2-6 on the kept ones. Observing only
       the kept (mixed-reward) groups would bias tau2 low and S high.
     - The raw tau2 (paper) can make S exceed 1/2 on a finite sample (e.g. rows [1, 0] and [0, 1]
@@ -173,7 +174,7 @@ def ebpo_advantages(
     observe: bool = True,
     prompts: Sequence[Hashable] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """EBPO advantages (ALGORITHM.md section 2, options of section 3). Updates `prior` in place.
+    """EBPO advantages (docs/algorithm.md section 3, options of section 4). Updates `prior`.
 
     rewards [B, G] float, mask [B, G] bool (True = scorable), keys: one str/int per prompt (the
     prior_key), prompts: one str/int id per prompt (needed, and only read, with prompt_prior).

@@ -95,7 +95,7 @@ class RolloutConfig:
 class AlgoConfig:
     estimator: str = "ebpo"
     grpo_scale: str = "group"  # grpo only: group | batch | none
-    # EBPrior options (ALGORITHM.md section 3); defaults are the paper's variant
+    # EBPrior options (docs/algorithm.md section 4); defaults are the paper's variant
     tau2: str = "raw"  # raw | moments
     sigma2: str = "total"  # total | within
     center: bool = True

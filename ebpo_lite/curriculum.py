@@ -10,7 +10,7 @@ One small interface for every sampler (`PromptSampler`):
 Samplers (`make_sampler(name, ...)`):
 - `shuffle`: seeded epochs; every example once per epoch. Batches run on across an epoch boundary,
   so a batch that straddles it may hold an example twice (once per epoch).
-- `topic` (the paper's EBPO-topic, ALGORITHM.md section 4): topic-coherent runs of `run_length`
+- `topic` (the paper's EBPO-topic, docs/algorithm.md section 7): topic-coherent runs of `run_length`
   batches; topics in `topic_order` (default: order of first appearance; topics left out of the
   order follow in order of first appearance, so every topic is visited), cycling. Within a topic the
   examples are shuffled per pass over that topic, and a topic's position carries over between its

@@ -1,12 +1,13 @@
 """The running empirical-Bayes prior of EBPO: its accumulators, options and per-prompt history.
 
-`EBPrior` holds what ALGORITHM.md section 2 calls W_r and W_mu (and, for the options of section 3,
-the within-group variances), globally and per key; `advantages.ebpo_advantages` reads it.
+`EBPrior` holds what docs/algorithm.md section 3 calls W_r and W_mu (and, for the options of
+section 4, the within-group variances), globally and per key; `advantages.ebpo_advantages` reads
+it.
 
-Options beyond the paper (ALGORITHM.md section 3; each off by default)
+Options beyond the paper (docs/algorithm.md section 4; each off by default)
     tau2="moments"   tau2 = max(var(W_mu) - sigma2_within * mean(W_inv_n), tau2_min). The
-                     subtracted term is the pooled WITHIN-group variance (as ALGORITHM.md writes),
-                     never the total one: var(group means) ~= tau2 + E[within variance / n_b], and
+                     subtracted term is the pooled WITHIN-group variance (as docs/algorithm.md
+                     section 4 writes), never the total one: var(group means) ~= tau2 + E[within variance / n_b], and
                      the total variance already contains tau2. mean(W_inv_n) is the running mean of
                      1 / n_b, i.e. exactly 1 / G without a mask. tau2_min applies only here.
     sigma2="within"  sigma2 = mean(W_within): a third accumulator that receives each group's
@@ -38,7 +39,7 @@ Options beyond the paper (ALGORITHM.md section 3; each off by default)
                      25 MB and 2.5 MB).
 
 Where the paper is silent (choices fixed here)
-    - Population Welford variance M2 / n (ALGORITHM.md fixes it).
+    - Population Welford variance M2 / n (docs/algorithm.md section 9).
     - A step with no valid row updates nothing (the step counter still moves).
     - Keys and prompt ids must be str or int (bool rejected) so the state stores them type-safely
       as "s:<str>" or "i:<int>"; 1 and "1" are different keys.

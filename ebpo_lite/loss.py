@@ -45,7 +45,7 @@ batch, scale each micro-batch's loss by `microbatch_weight(...)` (from token / s
 sum.
 
 Departures: the EBPO paper trains with verl and does not state the clip epsilon or the aggregation
-(ALGORITHM.md section 5); both are options here, defaulting to eps 0.2 / 0.2 and token_mean.
+(docs/algorithm.md section 8); both are options here, defaulting to eps 0.2 / 0.2 and token_mean.
 Padding positions are zeroed before any arithmetic, so non-finite padding values are harmless.
 """
 

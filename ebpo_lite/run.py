@@ -99,7 +99,7 @@ class Run:
         return Sample(idx, roll, r, m, *drawn, extra, rewards.take_error_counts(self.reward_fns))
 
     def observe(self, sample: Sample) -> None:
-        """The EB prior's step 1 with every drawn group (ALGORITHM.md: W_r receives every reward)."""
+        """The EB prior's step 1 with every drawn group (docs/algorithm.md section 5)."""
         if self.prior is not None:
             keys = self.prior_keys(sample.drawn_idx)
             self.prior.observe(sample.drawn_rewards, sample.drawn_mask, keys, sample.drawn_idx)

@@ -1,5 +1,5 @@
 """Tests of ebpo_lite.advantages against hand-computed values, a brute-force reference and the
-properties of ALGORITHM.md sections 1-3."""
+properties of docs/algorithm.md sections 2-4."""
 
 from __future__ import annotations
 
@@ -229,7 +229,7 @@ def test_keyed_prior_equals_prior_fed_only_that_key():
 
 
 # ---------------------------------------------------------------------------------------------
-# EBPO: properties of ALGORITHM.md section 2
+# EBPO: properties of docs/algorithm.md section 3
 
 
 def _closed_form(R: torch.Tensor, S: float) -> torch.Tensor:
@@ -310,7 +310,8 @@ def test_shrinkage_half_iff_within_le_g_minus_1_tau2(batches):
 
 
 def test_shrinkage_can_exceed_half_on_a_finite_sample():
-    # rows [1, 0], [0, 1]: tau2 = 0, sigma2 = 1/4 -> S = 1 (ALGORITHM.md's "S <= 1/2" is asymptotic)
+    # rows [1, 0], [0, 1]: tau2 = 0, sigma2 = 1/4 -> S = 1
+    # (docs/algorithm.md section 3: "S <= 1/2" holds in the large-sample limit only)
     _, s = ebpo_advantages(t([[1, 0], [0, 1]]), EBPrior())
     assert s["shrinkage"] == 1.0
 
@@ -626,7 +627,8 @@ def test_other_errors():
 
 
 def test_observe_every_drawn_group_then_advantages_for_the_kept():
-    """Dynamic sampling: step 1 on all drawn rows, steps 2-6 on the kept ones (ALGORITHM.md 2)."""
+    """Dynamic sampling: step 1 on all drawn rows, steps 2-6 on the kept ones
+    (docs/algorithm.md section 5)."""
     drawn = t([[1, 0, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]])  # rows 1, 2 dropped
     kept = drawn[[0, 3]]
     for opts in ({}, {"decay": 0.9}, {"tau2": "moments", "sigma2": "within"}):

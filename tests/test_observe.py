@@ -52,7 +52,8 @@ def test_dynamic_sampling_feeds_every_drawn_group_to_the_prior_and_curriculum(tm
     rec = train_step(run, 1)
     drawn = run.curriculum.batches * B  # every next_batch call draws B prompts
     assert rec["train/extra_draws"] >= 1 and drawn == (1 + rec["train/extra_draws"]) * B
-    # ALGORITHM.md section 2: W_r receives every reward, W_mu every group mean (dropped ones too)
+    # docs/algorithm.md section 5: W_r receives every reward, W_mu every group mean (dropped
+    # ones too)
     acc = run.prior.glob.acc
     assert acc["mu"].n == drawn and acc["r"].n == drawn * G
     assert rec["adv/groups_seen"] == drawn

@@ -24,7 +24,7 @@ Options (constructor keywords; everything else goes to `GRPOTrainer`)
                    leave_one_out, prompt_prior, prompt_capacity)
     ebpo_options   or a dict of those options (not both); default: the paper's variant
     ebpo_prior_key a dataset column (e.g. "topic") whose value per prompt keys the hierarchical
-                   prior (ALGORITHM.md section 3, `prior_key`); None: one global prior
+                   prior (docs/algorithm.md section 4, `prior_key`); None: one global prior
     ebpo_prompt_id with the option prompt_prior: a dataset column (str or int) naming each
                    prompt; None: a digest of the prompt itself (its text, or its messages as JSON),
                    so every visit of the same prompt shares one history
