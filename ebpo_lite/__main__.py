@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "eval": ("ebpo_lite.eval", "pass@1 over k samples, maj@k and pass@k of a run or a model"),
     "plan": ("ebpo_lite.plan", "will a recipe fit a GPU? its memory plan, before anything loads"),
+    "doctor": ("ebpo_lite.doctor", "can this machine run a recipe? its stack, GPU, disk, hub"),
     "label": ("", "per-example labels for the curricula: label difficulty | label topics"),
     "plot": ("ebpo_lite.plot", "PNG figures of one or more runs' metrics, overlaid"),
     "export": ("ebpo_lite.export", "a run's complete adapter + model card; --merge, --push-to-hub"),
