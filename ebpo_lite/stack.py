@@ -212,9 +212,8 @@ def refusals(cfg: Config, device: torch.device, stack: Stack | None = None) -> l
         found.append(
             ConfigError(
                 f"model.load_in_4bit: {m.name} with rollout.backend=vllm is a GPU recipe and no "
-                "CUDA GPU is visible (vLLM makes its NF4 copy only on a GPU; here it would hold "
-                "the whole model at full precision); run it on a CUDA GPU, or set "
-                "model.load_in_4bit=false for a CPU run"
+                "CUDA GPU is visible; run it on a CUDA GPU, or set model.load_in_4bit=false for "
+                "a CPU run (model.name=tiny or a local folder runs this path on CPU as a test)"
             )
         )
     if m.trainable_extra and m.load_in_4bit and backend == "vllm" and gpu:

