@@ -8,6 +8,9 @@ what to do (`errors.py`). What is checked:
   or `train.overwrite`; a resumed run's recorded `config.yaml` agrees on every setting its
   checkpoint depends on (`RESUME_KEYS`), which would otherwise fail deep inside the model load
   or, worse, resume silently into a different run.
+- the GPU stack against the config (`stack.check`, within `machine`): vLLM / Unsloth within the
+  tested window, a bitsandbytes method in vLLM for a 4-bit run on a GPU, no trained base
+  tensors with an NF4 vLLM copy, no 4-bit vLLM hub recipe on a machine without CUDA.
 - the machine: `train.threads` within the CPU cores this process may use, a core left for
   vLLM's worker on CPU (measured on 2 cores: 2 trainer threads beside it made steps take
   0.1-2.4 s, 1 thread was steady), the packages `rollout.backend=vllm`, `model.load_in_4bit`,
