@@ -11,7 +11,9 @@ T tokens in a micro-batch.
 - Weights. 16-bit base: params * a. NF4 base (bitsandbytes Linear4bit, blocksize 64, double
   quantisation as in QLoRA): per linear weight of n values, n/2 bytes of packed 4-bit codes, n/64
   one-byte absmax, n/64/256 fp32 second-level absmax and ~1 KiB of code books; embeddings,
-  lm_head and norms stay 16-bit (transformers never quantises them).
+  lm_head and norms stay 16-bit (transformers never quantises them). vLLM's NF4 copy (and
+  Unsloth's, which is vLLM's) undoes the double quantisation at load (vllm-bnb-plugin 0.0.3,
+  bitsandbytes_loader.py `_dequantize_dq`): n/2 + 4 n/64 bytes, 0.5625 per parameter.
 - LoRA: r * (in + out) per adapted module.
 - Activations: adapted from Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
   Transformer Models", sec. 4.1: 34*s*b*h + 5*a*s^2*b bytes per GPT layer) by listing the tensors
@@ -52,6 +54,7 @@ from ebpo_lite.errors import UserError
 GIB = 2**30
 NF4_BLOCK, NF4_DQ_BLOCK = 64, 256
 NF4_TENSOR_BYTES = 16 * 4 + 256 * 4 + 4  # NF4 code book, 8-bit absmax code book, offset
+NF4_CODE_BYTES = 16 * 4  # the fp32 NF4 code book alone (vLLM's quant states keep only it)
 LOGPROB_CHUNK_BYTES = 256 * 2**20  # policy.completion_logprobs: one fp32 chunk [rows, V]
 LOGPROB_CHUNK_COPIES = 2  # fp32 [rows, V] buffers alive at once while a chunk is computed
 ASSUME_AUTOCAST = False  # peft's fp32 copies of LoRA inputs vanish under torch.autocast
@@ -191,13 +194,21 @@ def nf4_bytes(n: int) -> int:
     return math.ceil(n / 2) + blocks + 4 * math.ceil(blocks / NF4_DQ_BLOCK) + NF4_TENSOR_BYTES
 
 
-def base_weight_bytes(arch: Arch, four_bit: bool, a: int) -> int:
-    """The frozen base model: NF4 linear layers + 16-bit rest, or everything at `a` bytes."""
+def vllm_nf4_bytes(n: int) -> int:
+    """Bytes vLLM's bitsandbytes copy keeps for one NF4 weight of n values: packed codes, one
+    fp32 absmax per 64 values (double quantisation undone at load) and the NF4 code book."""
+    return math.ceil(n / 2) + 4 * math.ceil(n / NF4_BLOCK) + NF4_CODE_BYTES
+
+
+def base_weight_bytes(arch: Arch, four_bit: bool, a: int, fp32_absmax: bool = False) -> int:
+    """The frozen base model: NF4 linear layers + 16-bit rest, or everything at `a` bytes;
+    `fp32_absmax`: vLLM's NF4 layout (`vllm_nf4_bytes`) instead of the trainer's."""
     counts = param_counts(arch)
     rest = counts["embed"] + counts["lm_head"] + counts["norm"]
     if not four_bit:
         return counts["total"] * a
-    per_layer = sum(nf4_bytes(i * o) for i, o in linear_shapes(arch).values())
+    nf4 = vllm_nf4_bytes if fp32_absmax else nf4_bytes
+    per_layer = sum(nf4(i * o) for i, o in linear_shapes(arch).values())
     return arch.num_hidden_layers * per_layer + rest * a
 
 

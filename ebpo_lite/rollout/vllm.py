@@ -174,6 +174,14 @@ class VLLMRollout:
             logprobs_mode="processed_logprobs",
             trust_remote_code=cfg.model.trust_remote_code,
         )
+        from ebpo_lite.plan_vllm import vllm_batch_limits
+
+        # a step's sequences and prompt tokens, not vLLM's defaults (1,024 sequences on 70+ GiB
+        # cards: GiBs of sampler warm-up held for good); the planner counts the same (plan_vllm)
+        n_seqs = cfg.train.prompts_per_step * r.group_size
+        kwargs["max_num_seqs"], kwargs["max_num_batched_tokens"] = vllm_batch_limits(
+            n_seqs, cfg.data.max_prompt_tokens, self.max_model_len
+        )
         if self.on_gpu:
             kwargs["gpu_memory_utilization"] = r.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = self.sleeps
