@@ -305,12 +305,12 @@ def markdown(result: dict) -> str:
 
 
 NOTES = [
-    "Not measurable on a CPU, so still assumptions in `ebpo_lite/plan.py` (GPU only): "
-    "`CUDA_CONTEXT_GIB` (CUDA context + cuBLAS workspace), `FRAGMENTATION` (the CUDA caching "
-    "allocator's slack), `VLLM_OVERHEAD_GIB`, `VLLM_CUDA_GRAPHS_GIB`, "
-    "`VLLM_SLEEP_RESIDUAL_GIB` and vLLM's KV cache and reservation "
-    "(`rollout.gpu_memory_utilization`). `scripts/gpu_smoke.py` records measured GPU peaks "
-    "beside the plan for those (docs/gpu_check.md).",
+    "Not measurable on a CPU: the GPU-only constants, each marked in "
+    "`ebpo_lite/plan_vllm.py`'s `CONSTANTS` as assumed (`CUDA_CONTEXT_GIB`, `FRAGMENTATION`, "
+    "`VLLM_NON_TORCH_GIB`, `VLLM_CUDA_GRAPHS_GIB`, `VLLM_SLEEP_RESIDUAL_GIB`) or read in "
+    "vLLM's, vllm-bnb-plugin's and Unsloth's source (vLLM's reservation, profiling peak, NF4 "
+    "copy and KV cache; Unsloth's utilization). `scripts/gpu_smoke.py` records measured GPU "
+    "peaks beside the plan for those (docs/gpu_check.md).",
     "The micro-batch peak is the planner's `activations_*_gb + logits_gb` (the plan adds them "
     "as one term); with checkpointing the plan's activations are what sits beside the logits "
     "at the peak (`memory.microbatch_bytes`).",
