@@ -78,6 +78,21 @@ def test_a_4bit_vllm_gpu_recipe_on_this_cpu_machine_fails_with_every_reason(caps
     assert "of 24 (24 GiB, the recipe's GPU; none here): fits" in plan
 
 
+@no_cuda_here
+def test_every_refusal_is_listed_not_only_the_first(capsys, tmp_path, monkeypatch):
+    """An old vLLM planted on sys.path (a dist-info folder as pip leaves one; none can be
+    installed here): its refusal comes after the CPU one, which alone stops checks.machine."""
+    info = tmp_path / "site" / "vllm-0.27.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.27.1\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    status, out, _ = _doctor(capsys, "qwen3_8b_lora", f"output_dir={tmp_path / 'run'}")
+    found = [line[4:] for line in out.splitlines() if line.startswith("  x ")]
+    assert status == 1 and found[0].startswith("model.load_in_4bit: Qwen/Qwen3-8B")
+    assert found[1].startswith("rollout.backend=vllm: vllm 0.27.1 is older than the tested")
+    assert "  vllm                 0.27.1       0.29.0 - 0.34.0        older than the window" in out
+
+
 def test_a_recipe_that_does_not_fit_the_gpu_here_is_a_problem(capsys, tmp_path, monkeypatch):
     """CUDA faked: one 24 GB L4 (22.5 GiB as the driver reports it), 20 GiB free."""
     monkeypatch.setattr("ebpo_lite.device._cuda_available", lambda: True)
