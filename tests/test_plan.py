@@ -536,11 +536,11 @@ def test_every_constant_says_how_it_is_known_and_the_table_names_the_assumed():
     assumptions."""
     bases = {b for _, b, _ in plan_vllm.CONSTANTS.values()}
     assert bases == {"measured-on-CPU", "from-source", "assumed"}
-    values = {repr(v) for v, _, _ in plan_vllm.CONSTANTS.values()}
-    numeric = [
-        k for k in vars(plan_vllm) if k.isupper() and isinstance(getattr(plan_vllm, k), float)
-    ]
-    assert numeric and all(repr(getattr(plan_vllm, k)) in values for k in numeric), numeric
+    # each GiB / fraction constant under its own name, with its value (a new one must be listed)
+    floats = {k: v for k, v in vars(plan_vllm).items() if k.isupper() and isinstance(v, float)}
+    assert "CUDA_CONTEXT_GIB" in floats and "FRAGMENTATION" in floats
+    for name, value in floats.items():
+        assert plan_vllm.CONSTANTS[name.lower()][0] == value, name
     p = plan.plan(_load("qwen3_8b_lora"), 24.0)
     assert p["constants"]["cuda_context_gib"] == {
         "value": 0.5, "basis": "assumed", "source": "CUDA context + cuBLAS workspace"
