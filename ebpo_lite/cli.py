@@ -35,6 +35,10 @@ def quiet_libraries() -> None:
     import logging
     import warnings
 
+    # The hub's first import loads tqdm.auto, which in a Jupyter kernel without ipywidgets warns
+    # "IProgress not found" with its install path (tqdm 4.70, tqdm/autonotebook.py) and falls back
+    # to text bars: the same bars the command line shows, so nothing is lost by silencing it.
+    warnings.filterwarnings("ignore", message="IProgress not found")
     from huggingface_hub import constants
     from huggingface_hub.utils import enable_progress_bars
     from transformers.utils import logging as hf_logging
