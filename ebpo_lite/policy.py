@@ -334,6 +334,7 @@ class Policy:
         """transformers + peft. (`run.load_policy` picks Unsloth's loader for its backend.)"""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from ebpo_lite.base_model import resolve
         from ebpo_lite.checks import model_name
         from ebpo_lite.device import resolve_attn, resolve_device, resolve_dtype
 
@@ -341,12 +342,7 @@ class Policy:
         model_name(m.name)  # a mistyped path fails here, not as a hub download
         device = resolve_device(m.device)
         dtype = resolve_dtype(m.dtype, device)
-        if m.name == "tiny":
-            from ebpo_lite.tiny import warm_tiny_model
-
-            base_path = str(warm_tiny_model(m.sft_warmup_steps, m.sft_seed, cfg.data.seed, log))
-        else:
-            base_path = m.name
+        base_path = resolve(cfg, log)  # tiny, smollm2, a .gguf: their cached folder
         kwargs = dict(
             dtype=dtype,
             trust_remote_code=m.trust_remote_code,

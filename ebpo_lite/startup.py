@@ -47,6 +47,7 @@ def memory_line(cfg: Config) -> str:
 
 def model_line(cfg: Config) -> str:
     """What is about to load: name, dtype, 4-bit, device, and whether it downloads first."""
+    from ebpo_lite.base_model import is_gguf_name
     from ebpo_lite.device import resolve_device, resolve_dtype
 
     m = cfg.model
@@ -56,6 +57,8 @@ def model_line(cfg: Config) -> str:
     where = ""
     if m.name == "tiny":
         where = " (built in)"
+    elif is_gguf_name(m.name):
+        where = " (GGUF, dequantized to an fp32 folder once and cached: ebpo_lite.base_model)"
     elif not Path(m.name).expanduser().exists():
         from huggingface_hub import try_to_load_from_cache
 

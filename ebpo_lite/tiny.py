@@ -109,7 +109,11 @@ def warm_tiny_model(steps: int, seed: int, data_seed: int, log=print) -> Path:
     # One warm-up per cache entry, not one per process: a second run started meanwhile (CI's
     # side-by-side tiers, a labelling job beside training) waits for the first and loads its copy.
     # fork_rng: a cache miss must not change the caller's RNG.
-    with _exclusive(out.with_name(out.name + ".lock"), log), torch.random.fork_rng(devices=[]):
+    lock = out.with_name(out.name + ".lock")
+    with (
+        exclusive(lock, log, "tiny model: another process is warming it up"),
+        torch.random.fork_rng(devices=[]),
+    ):
         if _is_saved(out):  # saved by the process we waited for
             return out
         return _warm_and_save(out, steps, seed, data_seed, log)
@@ -125,8 +129,11 @@ def _is_saved(out: Path) -> bool:
 
 
 @contextlib.contextmanager
-def _exclusive(lock: Path, log):
-    """Hold an exclusive lock on the file `lock` (POSIX flock; released if the process dies)."""
+def exclusive(lock: Path, log, busy: str):
+    """Hold an exclusive lock on the file `lock` (POSIX flock; released if the process dies).
+
+    `busy` is logged, with the lock's path, when another process holds it (the wait begins).
+    `base_model` converts GGUF files under the same kind of lock."""
     try:
         import fcntl
     except ImportError:  # Windows: no lock; the atomic rename still keeps the cache whole
@@ -137,7 +144,7 @@ def _exclusive(lock: Path, log):
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log(f"tiny model: another process is warming it up; waiting for it (lock {lock})")
+            log(f"{busy}; waiting for it (lock {lock})")
             fcntl.flock(fh, fcntl.LOCK_EX)
         yield  # closing the file releases the lock
 

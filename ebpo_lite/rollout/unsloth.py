@@ -140,6 +140,7 @@ def name_base(model: Any, base: str) -> None:
 
 def load_unsloth_policy(cfg: Config, log: Callable[[str], None] = print) -> Policy:
     """Base (4-bit if model.load_in_4bit) + LoRA built by Unsloth, with its vLLM engine attached."""
+    from ebpo_lite.base_model import resolve
     from ebpo_lite.device import resolve_device, resolve_dtype
     from ebpo_lite.policy import Policy
 
@@ -150,11 +151,7 @@ def load_unsloth_policy(cfg: Config, log: Callable[[str], None] = print) -> Poli
             "model.trainable_extra: not supported with rollout.backend=unsloth "
             "(the base weights are shared with its vLLM engine); leave it empty"
         )
-    base_path = m.name  # the tiny model: its warmed-up folder, as the other backends load it
-    if m.name == "tiny":
-        from ebpo_lite.tiny import warm_tiny_model
-
-        base_path = str(warm_tiny_model(m.sft_warmup_steps, m.sft_seed, cfg.data.seed, log))
+    base_path = resolve(cfg, log)  # tiny, smollm2, a .gguf: the folder the other backends load
     device = resolve_device(m.device)
     dtype = resolve_dtype(m.dtype, device)
     max_len = derive_max_model_len(
