@@ -12,7 +12,8 @@ as the trainer holds it is exported and reloaded in place (`reload_weights`), an
 is always reset afterwards (stale cached prefixes gave log-probs off by 3-6 nats).
 
 The 4-bit policy: the trainer holds an NF4 base + LoRA (bitsandbytes); vLLM quantises its own
-copy (`quantization="bitsandbytes"`) on a GPU and keeps full precision on CPU. Only the adapter
+copy (`quantization="bitsandbytes"`, vllm-bnb-plugin), on CPU too unless `cpu_nf4_blocker`
+says why not (a float32 engine, trained base tensors). Only the adapter
 crosses over, so no lossy merge into 4-bit weights ever happens.
 
 Process and devices:
@@ -189,10 +190,13 @@ class VLLMRollout:
                 kwargs["quantization"] = "bitsandbytes"  # vLLM quantises its own copy
         else:
             kwargs["kv_cache_memory_bytes"] = int(r.kv_cache_gb * 2**30)
-            if cfg.model.load_in_4bit:
+            why_not = cpu_nf4_blocker(dtype, policy.trains_base) if cfg.model.load_in_4bit else ""
+            if why_not is None:
+                kwargs["quantization"] = "bitsandbytes"  # the plugin's NF4 copy, on CPU too
+                self.log("model.load_in_4bit: the vLLM sampler quantises its own NF4 copy on CPU")
+            elif why_not:
                 self.log(
-                    "model.load_in_4bit: the vLLM sampler keeps a full-precision base on "
-                    "CPU (bitsandbytes quantisation in vLLM needs a GPU)"
+                    f"model.load_in_4bit: the vLLM sampler keeps a full-precision base ({why_not})"
                 )
         env = self._engine_env()
         if cfg.train.threads:
@@ -329,6 +333,30 @@ def _rollout_device(name: str, policy_device: torch.device) -> torch.device:
             "vLLM sampler runs on the trainer's kind of device (use auto)"
         )
     return device
+
+
+def cpu_nf4_blocker(dtype: torch.dtype, trains_base: bool) -> str | None:
+    """Why a CPU engine cannot hold an NF4 copy of the base (None: it can).
+
+    vllm-bnb-plugin 0.0.3 runs on bitsandbytes' CPU kernels, so a CPU engine quantises its own
+    copy as a GPU one does (docs/qlora.md), but not in float32: its `create_weights` sizes the
+    packed 4-bit weight as total // (dtype bits / 8) bytes (`quantization/utils.py`,
+    `calculate_quant_ratio`), a quarter in fp32 where `quantize_4bit` packs two values per byte,
+    and loading stops at `params.py`'s shape assertion. Trained base tensors cannot be reloaded
+    into an NF4 copy (`ebpo_lite.stack`).
+    """
+    from ebpo_lite.stack import Stack
+
+    if (missing := Stack.read().bnb_missing()) is not None:
+        return missing
+    if trains_base:
+        return "model.trainable_extra trains base tensors, which vLLM cannot reload into NF4"
+    if dtype == torch.float32:
+        return (
+            "vllm-bnb-plugin 0.0.3 cannot load a float32 engine; set rollout.dtype=float16 "
+            "for an NF4 copy"
+        )
+    return None
 
 
 _NOT_IMPORTABLE = (
