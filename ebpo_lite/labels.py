@@ -259,3 +259,45 @@ def label_prompts(
             bar.update(len(recs))
     finally:
         bar.close()
+
+
+def prior_keys(examples: list[Example], key: str) -> list[str | int]:
+    """Each example's key for the hierarchical prior (`algo.prior_key`), or one UserError naming
+    the examples that lack it (checked before the model loads: it used to be a traceback at step
+    1). A field of `Example` (`topic`, `difficulty`) or of its source row (`meta`).
+
+    The EB prior keys on strings and ints (`ebprior`). A str or int value is its own key. Floats
+    are binned, one rule for the whole data (docs/algorithm.md section 4): when every float is a
+    whole number (MATH's `Level 3` -> 3.0, the tiny task's levels) each keys as that int; when
+    every float lies in [0, 1] (`1 - pass_rate` labels) they key by quarter, as the strings
+    `[0,0.25)` ... `[0.75,1]`; otherwise by their floor.
+    """
+    values, missing = [], []
+    for i, ex in enumerate(examples):
+        value = getattr(ex, key) if hasattr(ex, key) else ex.meta.get(key)
+        ok = isinstance(value, (str, int, float)) and not isinstance(value, bool)
+        if not ok or (isinstance(value, float) and value != value):  # None, NaN, a list ...
+            missing.append(i)
+        values.append(value)
+    if missing:
+        what = f"no {key}" if key in ("topic", "difficulty") else f"no str or number {key!r}"
+        fix = (
+            f"label them (data.{key}_field or data.labels_path)"
+            if key in ("topic", "difficulty")
+            else "name a field every row has"
+        )
+        raise UserError(
+            f"algo.prior_key: {len(missing)} of {len(examples)} training examples have {what} "
+            f"(first: example {missing[0]}); {fix}, or set algo.prior_key=null"
+        )
+    floats = [v for v in values if isinstance(v, float)]
+    if all(v.is_integer() for v in floats):
+        return [int(v) if isinstance(v, float) else v for v in values]
+    if all(0.0 <= v <= 1.0 for v in floats):
+        return [_quarter(v) if isinstance(v, float) else v for v in values]
+    return [int(v // 1) if isinstance(v, float) else v for v in values]
+
+
+def _quarter(v: float) -> str:
+    lo = min(int(v * 4), 3) / 4
+    return f"[{lo:g},{lo + 0.25:g}{']' if lo == 0.75 else ')'}"

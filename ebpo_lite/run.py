@@ -140,13 +140,16 @@ class Run:
         r = torch.tensor([0.0 if t is None else float(t) for t in total]).reshape(-1, G)  # [B, G]
         return r, mask
 
+    _prior_keys = None  # per training example, made on first use
+
     # ------------------------------------------------------------------ advantages
     def prior_keys(self, idx: list[int]) -> list | None:
         key = self.cfg.algo.prior_key
         if key is None or self.prior is None:
             return None
-        exs = [self.train_examples[i] for i in idx]
-        return [getattr(ex, key, None) if hasattr(ex, key) else ex.meta.get(key) for ex in exs]
+        if self._prior_keys is None:  # once: checked in build_run, binned (labels.prior_keys)
+            self._prior_keys = labels.prior_keys(self.train_examples, key)
+        return [self._prior_keys[i] for i in idx]
 
     def advantages(
         self, r: torch.Tensor, m: torch.Tensor, idx: list[int]
@@ -336,6 +339,9 @@ def build_run(cfg: config.Config, log: Callable[[str], None] = print) -> Run:
         raise UserError("data: no training examples; check data.max_examples and the data file")
     log(startup.data_line(cfg, train_ex, eval_ex))
     train_ex = labels.maybe_topic_labels(cfg, train_ex, log)
+    key = cfg.algo.prior_key if cfg.algo.estimator == "ebpo" else None
+    if key and not (key == "difficulty" and cfg.data.labels_path == labels.AUTO):
+        labels.prior_keys(train_ex, key)  # every example has one: else one line, no model load
     out = _prepare_output_dir(cfg)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)

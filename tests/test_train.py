@@ -141,6 +141,7 @@ def test_a_resume_says_what_it_did_and_keeps_the_first_eval(tmp_path, capsys):
         {"algo.estimator": "dr_grpo", "algo.loss_agg": "token_sum_norm"},
         {"algo.estimator": "rloo", "algo.loss_agg": "seq_mean"},
         {"algo.prior_key": "topic", "algo.min_count": 2, "curriculum.sampler": "topic"},
+        {"algo.prior_key": "difficulty", "algo.min_count": 2},  # float levels: a traceback once
         {"curriculum.sampler": "difficulty", "algo.tau2": "moments", "algo.center": "false"},
         {"curriculum.dynamic_sampling": "true", "algo.kl_coef": 0.01, "algo.num_iterations": 2},
         {
@@ -346,3 +347,31 @@ def test_a_trainable_extra_name_that_matches_nothing_is_refused(tmp_path, capsys
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: model.trainable_extra: ['nrom'] match no parameter name of tiny"]
+
+
+def test_a_prior_key_the_data_lacks_is_refused_before_the_model_loads(tmp_path, capsys):
+    """algo.prior_key naming a field the examples lack died at step 1 with a traceback."""
+    from ebpo_lite.train import main
+
+    argv = [str(TINY_RECIPE), *fast_overrides(tmp_path / "run"), "algo.prior_key=source"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "error: algo.prior_key: 400 of 400 training examples have no str or number 'source' "
+        "(first: example 0); name a field every row has, or set algo.prior_key=null"
+    ]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_prior_keys_bin_floats_one_rule_for_the_data():
+    from ebpo_lite.example import Example
+    from ebpo_lite.labels import prior_keys
+
+    def keys(*values):
+        exs = [Example(prompt="p", answer="1", difficulty=v) for v in values]
+        return prior_keys(exs, "difficulty")
+
+    assert keys(3.0, 1.0, 5.0) == [3, 1, 5]  # MATH levels: whole numbers key as ints
+    # pass-rate labels in [0, 1], 0 and 1 included: quarters
+    assert keys(0.0, 0.3, 0.75, 1.0) == ["[0,0.25)", "[0.25,0.5)", "[0.75,1]", "[0.75,1]"]
+    assert keys(2.5, 3.0) == [2, 3]  # anything else: the floor
