@@ -12,6 +12,10 @@ is not stepped and the sampler is not synced, so after a skip the trainer and th
 exactly the pre-fault weights. The curriculum has moved on (its
 prompts were drawn; non-finite rewards reach it as unscorable).
 
+With float16 compute, loss scaling (`scaler.LossScaler`) expects an occasional overflow: non-finite
+gradients of a finite loss halve the scale and raise `NonFinite("scaled_gradients")`, a skipped
+step like the others (the scale's change is kept: that is the point).
+
 `Skips` counts skipped steps (`train/skipped_steps`, in checkpoints) and stops the run with a
 one-line `TrainingFault` (exit status 3) naming the likely cause after
 `train.max_consecutive_skips` in a row, without writing a checkpoint.
@@ -35,6 +39,8 @@ CAUSES = {
     "float32 instead of float16",
     "gradients": "the gradients overflowed: lower train.lr or train.max_grad_norm, or use "
     "model.dtype=bfloat16 / float32 instead of float16",
+    "scaled_gradients": "the float16 gradients overflowed at every loss scale tried (each skip "
+    "halved it): lower train.lr, or use model.dtype=bfloat16 / float32 on a GPU that has it",
 }
 
 
@@ -58,14 +64,20 @@ def check_advantages(adv: torch.Tensor, mask: torch.Tensor) -> None:
         raise NonFinite("advantages")
 
 
-def check_update(loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+def check_update(loss: torch.Tensor, grad_norm: torch.Tensor, scaler=None) -> None:
     """Before `optimizer.step()`: the loss accumulated so far and this update's gradient norm
-    are finite. One host sync per optimizer update."""
+    are finite. One host sync per optimizer update. With an enabled `scaler` (float16), a finite
+    loss with non-finite gradients is the loss scale's overflow: the scale is halved
+    (`LossScaler.update`) and the reason is `scaled_gradients`; a clean update counts toward
+    the scale's growth."""
     ok_loss, ok_grad = torch.stack([torch.isfinite(loss), torch.isfinite(grad_norm)]).tolist()
     if not ok_loss:
         raise NonFinite("loss")
+    scaled = scaler is not None and scaler.enabled
+    if scaled:
+        scaler.update(overflow=not ok_grad)
     if not ok_grad:
-        raise NonFinite("gradients")
+        raise NonFinite("scaled_gradients" if scaled else "gradients")
 
 
 class Undo:

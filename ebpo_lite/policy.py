@@ -337,11 +337,13 @@ class Policy:
         from ebpo_lite.base_model import resolve
         from ebpo_lite.checks import model_name
         from ebpo_lite.device import resolve_attn, resolve_device, resolve_dtype
+        from ebpo_lite.scaler import refuse_float16_extra
 
         m = cfg.model
         model_name(m.name)  # a mistyped path fails here, not as a hub download
         device = resolve_device(m.device)
         dtype = resolve_dtype(m.dtype, device)
+        refuse_float16_extra(m.trainable_extra, dtype)  # before the model loads
         base_path = resolve(cfg, log)  # tiny, smollm2, a .gguf: their cached folder
         kwargs = dict(
             dtype=dtype,

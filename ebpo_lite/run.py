@@ -11,7 +11,7 @@ import contextlib
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from ebpo_lite.errors import ConfigError, UserError
 from ebpo_lite.jsonl import write_atomic
 from ebpo_lite.policy import Policy, completion_logprobs, dropout_in_training
 from ebpo_lite.rollout import Rollout, RolloutBackend, make_backend
+from ebpo_lite.scaler import LossScaler
 
 
 @dataclass
@@ -67,6 +68,7 @@ class Run:
     prior: EBPrior | None
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: LossScaler = field(default_factory=lambda: LossScaler(False))  # on for float16
 
     # ------------------------------------------------------------------ sampling and scoring
     def sample_and_score(self, step: int) -> Sample:
@@ -199,6 +201,7 @@ class Run:
         self.policy.model.train()
         n_updates = a.num_iterations * len(minis)
         lr = self.scheduler.get_last_lr()[0]  # the lr of this step's updates
+        scale = self.scaler.metrics()  # float16: the loss scale of this step's first update
         for _ in range(a.num_iterations):
             for mini in minis:
                 norms.append(self._update(prompts, roll, adv, mini, fixed, stats, 1 / n_updates))
@@ -209,6 +212,7 @@ class Run:
         out.update({f"rollout/{k}": v for k, v in values.items() if k.startswith(("is_", "logp_"))})
         out["train/grad_norm"] = sum(flat[len(stats) :]) / max(len(norms), 1)
         out["train/lr"] = lr
+        out.update(scale)
         return out
 
     def _chunks(self, rows: list[int], prompts, roll: Rollout) -> list[list[int]]:
@@ -274,19 +278,23 @@ class Run:
             )
             tokens = sum(len(roll.completion_ids[i]) for i in c)  # = the mask's sum, no sync
             share = loss.microbatch_weight(a.loss_agg, tokens, len(c), mini_tokens, len(mini))
-            (lval * share).backward()
+            self.scaler.scale_loss(lval * share).backward()  # float16: times the loss scale
             st["entropy"] = loss.masked_mean(entropy, b.completion_mask)
             _accumulate(stats, st, share * weight)
         params = policy.trainable_parameters()
+        self.scaler.unscale_(params)  # the loss's own gradients, before clipping
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm)
         # the step's running loss (finite so far, or an earlier update would have stopped) and
-        # this update's gradient norm; NaN / inf: no step (train_step undoes the rest)
-        faults.check_update(stats.get("loss", norm), norm)
+        # this update's gradient norm; NaN / inf: no step (train_step undoes the rest); float16:
+        # inf gradients of a finite loss lower the loss scale (scaler.py)
+        faults.check_update(stats.get("loss", norm), norm, self.scaler)
         self.optimizer.step()
         return norm
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, step: int, extra: dict | None = None) -> Path:
+        if self.scaler.enabled:  # float16: the loss scale goes on with the run
+            extra = {**(extra or {}), "loss_scale": self.scaler.state_dict()}
         return checkpoint.save(
             self.cfg.output_dir,
             step,
@@ -312,9 +320,12 @@ class Run:
         state = checkpoint.load(
             path, self.policy, self.optimizer, self.scheduler, self.prior, self.curriculum
         )
+        extra = dict(state.get("extra") or {})
+        if self.scaler.enabled and "loss_scale" in extra:
+            self.scaler.load_state_dict(extra["loss_scale"])
         self.backend.sync(self.policy, version=state["step"])
         print(f"resumed from {path} (step {state['step']})", flush=True)
-        return int(state["step"]), dict(state.get("extra") or {})
+        return int(state["step"]), extra
 
 
 def load_policy(cfg: config.Config, log=print) -> Policy:
@@ -394,6 +405,7 @@ def build_run(cfg: config.Config, log: Callable[[str], None] = print) -> Run:
         prior,
         optimizer,
         scheduler,
+        LossScaler.for_policy(policy),
     )
 
 
