@@ -11,7 +11,11 @@ and what it skipped. `--budget` caps the whole run's wall clock (default 450 s: 
 under 8 minutes); a variant gets at most the time left, and once too little is left the rest are
 recorded as "skipped: out of time". How to run it and what passing means: docs/gpu_check.md.
 
-Each variant runs in its own child process (clean CUDA state, exact peak memory). The first is
+Each variant runs in its own child process (clean CUDA state, exact peak memory), and so does
+every look at the GPU: this process never imports torch, so it opens no CUDA context of its own
+(one would hold ~0.5 GiB of the GPU the variants measure, and vLLM's engine would have to spawn
+instead of fork). The machine's facts (GPU, capability, versions) come from a `facts` child, the
+`small` model from another. The first variant is
 `ebpo_lite.qlora_check` on the GPU; the others run `ebpo_lite.train.main(argv)` on
 recipes/tiny_cpu.yaml moved to the GPU (model.device=cuda):
 
@@ -65,11 +69,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # runs from a checkout: ebpo_lite need not be installed
     sys.path.insert(0, str(REPO))
-# nf4_grads' model and layers (wider than the tiny model: see ebpo_lite/qlora_check.py)
-from ebpo_lite.qlora_check import LARGE_LAYERS as CHECK_LAYERS  # noqa: E402
-from ebpo_lite.qlora_check import LARGE_SHAPE as CHECK_SHAPE  # noqa: E402
-from ebpo_lite.qlora_check import json_ready  # noqa: E402  (non-finite floats as strings)
-
+# Nothing here imports torch or ebpo_lite at module level: they are imported in the children.
 OFFLINE_ENV = {  # no internet on the GPU machine: fail fast instead of waiting on the network
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
@@ -251,10 +251,31 @@ def read_metrics(path: Path) -> dict:
 
 
 def build_small_model(folder: Path) -> str:
-    """A larger Qwen3 (8 x 1024, head size 64) with the tiny tokenizer, random weights, saved."""
-    from ebpo_lite.tiny import save_random_qwen3
+    """A larger Qwen3 (8 x 1024, head size 64) with the tiny tokenizer, random weights, saved
+    (by a child process: building it imports torch)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "small_model"]
+    proc = subprocess.run([*cmd, "--child-result", str(folder)], capture_output=True, text=True,
+                          env=child_env(), cwd=REPO)  # fmt: skip
+    if proc.returncode != 0:
+        raise SystemExit(f"gpu_smoke: --model small: building it failed: {_tail(proc)}")
+    return str(folder)
 
-    return str(save_random_qwen3(folder, **{**CHECK_SHAPE, "num_hidden_layers": 8}))
+
+def machine_facts(device: str) -> dict:
+    """`gpu_facts`, read by a child process (this one never imports torch)."""
+    with tempfile.TemporaryDirectory(prefix="ebpo_gpu_facts_") as tmp:
+        out = Path(tmp) / "facts.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "facts"]
+        cmd += ["--child-result", str(out), *(["--cpu-rehearsal"] if device == "cpu" else [])]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), cwd=REPO)
+        if proc.returncode != 0 or not out.is_file():
+            raise SystemExit(f"gpu_smoke: reading the machine's facts failed: {_tail(proc)}")
+        return json.loads(out.read_text())
+
+
+def _tail(proc) -> str:
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    return lines[-1] if lines else f"exit {proc.returncode}, no output"
 
 
 def memory_stats(device: str) -> dict:
@@ -273,9 +294,20 @@ def memory_stats(device: str) -> dict:
 
 
 def run_child(variant: str, argv: list[str], result_path: Path, device: str = "cuda") -> int:
-    """In the child: run the variant, then write what ran and what it cost as JSON."""
+    """In the child: run the variant, then write what ran and what it cost as strict JSON."""
     import torch
 
+    from ebpo_lite.qlora_check import json_ready
+
+    if variant == "facts":
+        result_path.write_text(json.dumps(json_ready(gpu_facts(device)), allow_nan=False))
+        return 0
+    if variant == "small_model":
+        from ebpo_lite.qlora_check import LARGE_SHAPE
+        from ebpo_lite.tiny import save_random_qwen3
+
+        save_random_qwen3(result_path, **{**LARGE_SHAPE, "num_hidden_layers": 8})
+        return 0
     if device == "cuda":
         torch.cuda.set_device(0)
         torch.cuda.reset_peak_memory_stats()
@@ -313,7 +345,7 @@ def run_child(variant: str, argv: list[str], result_path: Path, device: str = "c
         }
     except Exception as e:  # the plan is a by-product here, never a failure
         res["planned"] = f"no plan: {e}"
-    result_path.write_text(json.dumps(res, indent=2))
+    result_path.write_text(json.dumps(json_ready(res), indent=2, allow_nan=False))
     return rc
 
 
@@ -323,6 +355,9 @@ def run_check_child(argv: list[str], result_path: Path, device: str) -> int:
 
     from ebpo_lite import qlora_check
     from ebpo_lite.cli import quiet_libraries
+    from ebpo_lite.qlora_check import LARGE_LAYERS as CHECK_LAYERS
+    from ebpo_lite.qlora_check import LARGE_SHAPE as CHECK_SHAPE
+    from ebpo_lite.qlora_check import json_ready
     from ebpo_lite.tiny import save_random_qwen3
 
     quiet_libraries()
@@ -342,6 +377,9 @@ def run_check_child(argv: list[str], result_path: Path, device: str) -> int:
 
 
 def gpu_facts(device: str = "cuda") -> dict:
+    """In the `facts` child: versions (each package imported, so a broken one says so), and on
+    CUDA the GPU, its capability and memory and whether it computes bf16 natively (`no_cuda`
+    when torch sees no CUDA device)."""
     import torch
 
     versions = {}
@@ -357,6 +395,10 @@ def gpu_facts(device: str = "cuda") -> dict:
             "python": platform.python_version(),
             "versions": versions,
         }
+    if not torch.cuda.is_available():
+        return {"no_cuda": True, "torch": torch.__version__, "cuda_build": torch.version.cuda}
+    from ebpo_lite.device import native_bf16
+
     props = torch.cuda.get_device_properties(0)
     cap = torch.cuda.get_device_capability(0)
     return {
@@ -364,6 +406,7 @@ def gpu_facts(device: str = "cuda") -> dict:
         "capability": f"{cap[0]}.{cap[1]}",
         "memory_gb": props.total_memory / 2**30,
         "cuda": torch.version.cuda,
+        "bf16": native_bf16(torch.device("cuda", 0)),
         "python": platform.python_version(),
         "versions": versions,
     }
@@ -395,34 +438,28 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
 
-    import torch
-
     device = "cpu" if args.cpu_rehearsal else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        print(
-            "gpu_smoke: no CUDA device visible (torch "
-            f"{torch.__version__}, CUDA build {torch.version.cuda or 'none'}); this script only "
-            "runs on a GPU machine",
-            file=sys.stderr,
-        )
-        return 2
-    for key, value in OFFLINE_ENV.items():  # this process too: importing bitsandbytes asks the
+    for key, value in OFFLINE_ENV.items():  # the children too: importing bitsandbytes asks the
         os.environ.setdefault(key, value)  # hub for kernels unless told it is offline
     if args.child:
         return run_child(args.child, args.child_argv, Path(args.child_result), device)
-
-    from ebpo_lite.device import native_bf16
-
+    facts = machine_facts(device)  # in a child: this process never touches CUDA
+    if facts.get("no_cuda"):
+        print(
+            f"gpu_smoke: no CUDA device visible (torch {facts['torch']}, CUDA build "
+            f"{facts['cuda_build'] or 'none'}); this script only runs on a GPU machine",
+            file=sys.stderr,
+        )
+        return 2
     wheels = None
     if args.wheels:
         target = Path(args.wheels_target).resolve() if args.wheels_target else None
         wheels = install_wheels(Path(args.wheels).resolve(), target)
-    if device == "cpu":
-        dtype = "float32"  # the CPU rehearsal proves the plumbing, not 16-bit numerics
-    else:
-        dtype = "bfloat16" if native_bf16(torch.device("cuda", 0)) else "float16"
+        if wheels["installed"]:
+            facts = machine_facts(device)  # with the versions of what was just installed
+    # the CPU rehearsal proves the plumbing, not 16-bit numerics
+    dtype = "float32" if device == "cpu" else ("bfloat16" if facts.pop("bf16") else "float16")
     chosen = [v for v in VARIANTS if not args.only or v in args.only.split(",")]
-    facts = gpu_facts(device)
     report = {
         **facts,
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
@@ -441,7 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     def save(entries: list[dict], complete: bool = False) -> None:
         """The report so far; rewritten after each variant, so a run cut short keeps its results."""
         report.update(variants=entries, complete=complete, wall_s=time.monotonic() - started)
-        out.write_text(json.dumps(json_ready(report), indent=2) + "\n")
+        # strict JSON: the children's results are (json_ready), and this process adds times only
+        out.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
 
     with tempfile.TemporaryDirectory(prefix="ebpo_gpu_smoke_") as tmp:
         model = build_small_model(Path(tmp) / "small") if args.model == "small" else "tiny"

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ebpo_lite import config
+from ebpo_lite.qlora_check import LARGE_LAYERS, LARGE_SHAPE
 
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("gpu_smoke", REPO / "scripts" / "gpu_smoke.py")
@@ -25,7 +26,37 @@ def test_refuses_without_cuda(capsys):
         pytest.skip("a GPU is visible")
     assert gpu_smoke.main([]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("gpu_smoke: no CUDA device visible")
+    assert len(err) == 1 and err[0].startswith("gpu_smoke: no CUDA device visible (torch 2.")
+
+
+# The parent in a fresh interpreter: main(argv), then whether torch was ever imported there.
+PARENT = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("gpu_smoke", sys.argv[1])
+gpu_smoke = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gpu_smoke)
+rc = gpu_smoke.main(sys.argv[2:])
+print(json.dumps({"rc": rc, "torch_imported": "torch" in sys.modules}))
+"""
+
+
+@pytest.mark.parametrize("rehearsal", [False, True])
+def test_the_parent_process_never_imports_torch(tmp_path, rehearsal):
+    """No torch in the parent, so no CUDA context there on a GPU machine: the GPU facts (and the
+    refusal here, where there is no GPU) come from a child. With --cpu-rehearsal the whole run
+    (a variant skipped for its missing package: unsloth is not installed here)."""
+    argv = ["--cpu-rehearsal", "--only", "unsloth"] if rehearsal else []
+    cmd = [sys.executable, "-c", PARENT, str(REPO / "scripts" / "gpu_smoke.py"), *argv]
+    cmd += ["--out", str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(REPO / "tests" / "device_like"),
+           "EBPO_HIDE_MODULES": "unsloth"}  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {"rc": 0 if rehearsal else 2, "torch_imported": False}, proc.stderr[-2000:]
+    if rehearsal:
+        report = json.loads((tmp_path / "cpu_rehearsal.json").read_text())
+        assert report["versions"]["torch"].startswith("2.") and report["complete"] is True
+        assert report["variants"][0]["status"] == "skipped"
 
 
 TRAINING_VARIANTS = [v for v in gpu_smoke.VARIANTS if v != "nf4_grads"]  # nf4_grads: a check
@@ -286,9 +317,9 @@ def test_cpu_rehearsal_runs_the_whole_script_as_the_gpu_machine_would(tmp_path):
     check = by_name["nf4_grads"]
     assert check["status"] == "ok" and check["ok"] and list(check["dtypes"]) == ["float32"]
     fp32 = check["dtypes"]["float32"]
-    assert fp32["policy"]["four_bit_layers"] == 7 * gpu_smoke.CHECK_SHAPE["num_hidden_layers"]
+    assert fp32["policy"]["four_bit_layers"] == 7 * LARGE_SHAPE["num_hidden_layers"]
     assert fp32["policy"]["worst"] <= 1e-5 and fp32["layer_worst"] <= 1e-5
-    assert len(fp32["layer"]) == 4 * len(gpu_smoke.CHECK_LAYERS)  # every row count, every size
+    assert len(fp32["layer"]) == 4 * len(LARGE_LAYERS)  # every row count, every size
     for v in ("hf_16bit", "hf_nf4"):
         e = by_name[v]
         assert e["status"] == "ok" and [s["step"] for s in e["step_times"]] == [1, 2]
