@@ -87,6 +87,15 @@ def test_boxed_and_marker_paths_are_kept():
     assert j.answers == ["3", "3"]
 
 
+def test_an_empty_box_is_no_answer():
+    """SmolLM2-135M-Instruct copies the prompt's "within \\boxed{}." into its answers: an empty
+    box was reported as a `boxed` extraction with no answer and hid the answer in the text."""
+    texts = [r"35-8=27 \boxed{}", r"\boxed{27} and then \boxed{ $ }", r"Put it in \boxed{}."]
+    j = judge_math(texts, ["27", "27", "27"])
+    assert j.methods == ["math_verify", "boxed", "none"] and j.scores == [1.0, 1.0, 0.0]
+    assert j.answers == ["27", "27", None]
+
+
 def test_verify_tail_is_bounded_and_starts_at_a_line():
     assert verify_tail("short $x$") == "short $x$"
     text = "x" * 10_000 + "\nline one $a$\n" + "y" * (TAIL_CHARS - 200) + " 1/2"

@@ -8,7 +8,9 @@ Extraction order for a completion (`extract_answer_and_method`; the method names
 1. `boxed`: the content of the last balanced `\\boxed{...}` or `\\fbox{...}` (escaped braces
    `\\{ \\}` are not counted; a box whose content is longer than `MAX_ANSWER_CHARS` or never
    closes is ignored and the box before it is tried, up to `MAX_BOX_CANDIDATES` boxes from the
-   end);
+   end; so is an empty one, `\\boxed{}` or `\\boxed{ $ }`: SmolLM2-135M-Instruct copies the
+   system prompt's "within \\boxed{}." into its answers, and such a box is no answer, so the
+   rules below read the text instead);
 2. `gsm8k_marker`: else the first number after the last `####` (GSM8K's marker; `-?` digits with
    optional `,ddd` thousands groups, removed, and a decimal part);
 3. `math_verify`: else nothing here. The caller hands `verify_tail(text)` (the last
@@ -95,12 +97,12 @@ def boxed_spans(text: str) -> list[tuple[int, int]]:
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last balanced `\\boxed{}` / `\\fbox{}`; None when there is none."""
-    spans = boxed_spans(text)
-    if not spans:
-        return None
-    start, end = spans[-1]
-    return text[start:end].strip()
+    """Content of the last balanced, non-empty `\\boxed{}` / `\\fbox{}`; None when there is none
+    (`clean_answer` decides emptiness: whitespace and `$` only is empty)."""
+    for start, end in reversed(boxed_spans(text)):
+        if clean_answer(text[start:end]):
+            return text[start:end].strip()
+    return None
 
 
 def count_boxes(text: str) -> int:
