@@ -2,6 +2,9 @@
 
 Runs in the `vllm` CI tier (.ci/tier_vllm.sh). One in-process engine serves the module (about
 2-10 s to start); the trainable-norm test starts a second one. All in fp32 on the tiny model.
+The module's engine is started as if /dev/shm were Docker's 64 MiB (its free space faked: a full
+/dev/shm cannot be made here), so its adapters go through the temp dir; the training runs
+below use the real /dev/shm. The engine in its own process: tests/test_vllm_multiprocess.py.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,6 +26,7 @@ from ebpo_lite import config  # noqa: E402
 from ebpo_lite.data import arithmetic_examples, encode_prompt  # noqa: E402
 from ebpo_lite.errors import UserError  # noqa: E402
 from ebpo_lite.policy import Policy  # noqa: E402
+from ebpo_lite.rollout import common  # noqa: E402
 from ebpo_lite.rollout.vllm import VLLMRollout  # noqa: E402
 from tests.conftest import REPO, TINY_RECIPE  # noqa: E402
 
@@ -81,13 +86,17 @@ def env(tmp_path_factory):
     torch.manual_seed(123)
     policy = Policy.from_config(cfg)
     rng = torch.get_rng_state()
-    backend = VLLMRollout(cfg, policy)
+    lines: list[str] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(common, "_free_bytes", lambda path: 64 * 2**20)  # Docker's default /dev/shm
+        backend = VLLMRollout(cfg, policy, log=lines.append)
     state = SimpleNamespace(
         cfg=cfg,
         policy=policy,
         backend=backend,
         version=0,
         rng_kept=torch.equal(rng, torch.get_rng_state()),
+        lines=lines,
     )
     yield state
     workdir = backend.workdir
@@ -176,6 +185,19 @@ def test_new_adapter_changes_samples_and_ids_are_never_reused(env):
     assert not Path(old_request.lora_path).exists()  # old versions are deleted
     assert Path(backend.lora_request.lora_path, "adapter_model.safetensors").is_file()
     assert Path(backend.lora_request.lora_path).parent == backend.workdir
+
+
+def test_adapters_go_through_the_temp_dir_when_dev_shm_has_no_room(env):
+    """The syncs of every test in this module read their adapters from there."""
+    if not common.SHM.is_dir():
+        pytest.skip("no /dev/shm")
+    assert env.backend.workdir.parent == Path(tempfile.gettempdir())
+    assert any(line.startswith("adapter exchange: /dev/shm has 64 MiB free") for line in env.lines)
+    _sync(env, env.policy)
+    folder = Path(env.backend.lora_request.lora_path)
+    assert [p.name for p in env.backend.workdir.iterdir()] == [folder.name]  # one version kept
+    roll = env.backend.generate(_prompts(env.policy, 4), G, seed=1)
+    assert _max_diff(roll.sampler_logprobs, _trainer_logprobs(env.policy, roll)) < TOL
 
 
 def test_prompt_longer_than_the_engine_context_is_a_user_error(env):
