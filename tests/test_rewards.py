@@ -273,6 +273,8 @@ def test_arithmetic_answer_exact_integer():
 def test_format_reward():
     comps = [r"x \boxed{1}", r"\boxed{1} \boxed{2}", "no box", r"\boxed{\boxed{1}}", r"\boxed{1"]
     assert format_reward(comps) == [1.0, 0.0, 0.0, 0.0, 0.0]
+    empty = [r"within \boxed{}.", r"\boxed{ $ }", r"so \boxed{ 7 }"]  # the prompt copied: no answer
+    assert format_reward(empty) == [0.0, 0.0, 1.0]
     think = [
         "<think>try \\boxed{3}</think> so \\boxed{4}",
         "<think>hm</think> \\boxed{4}",

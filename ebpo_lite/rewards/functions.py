@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ebpo_lite.rewards.contained import ContainedReward
-from ebpo_lite.rewards.extract import boxed_spans, canonical_int, completion_text, count_boxes
+from ebpo_lite.rewards.extract import canonical_int, completion_text, count_boxes, last_boxed
 from ebpo_lite.rewards.judge import golds_for, judge_math
 
 RewardFn = Callable[..., list]
@@ -70,7 +70,8 @@ def arithmetic_answer(completions: Sequence[Any], answer: Any, **kwargs: Any) ->
 
 
 def format_reward(completions: Sequence[Any], think: bool = False, **kwargs: Any) -> list[float]:
-    """1.0 if the completion holds exactly one balanced `\\boxed{}` answer, else 0.0.
+    """1.0 if the completion holds exactly one balanced, non-empty `\\boxed{}` answer, else 0.0
+    (an empty `\\boxed{}` is the prompt's instruction copied, as SmolLM2-135M does: no answer).
 
     With `think=True` the completion must also close its reasoning with exactly one `</think>`,
     and the box must come after it.
@@ -83,7 +84,7 @@ def format_reward(completions: Sequence[Any], think: bool = False, **kwargs: Any
                 out.append(0.0)
                 continue
             text = text.split("</think>", 1)[1]
-        ok = count_boxes(text) == 1 and len(boxed_spans(text)) == 1
+        ok = count_boxes(text) == 1 and last_boxed(text) is not None
         out.append(1.0 if ok else 0.0)
     return out
 
