@@ -226,6 +226,17 @@ def refusals(cfg: Config, device: torch.device, stack: Stack | None = None) -> l
                 "or set model.load_in_4bit=false, or rollout.backend=hf"
             )
         )
+    engine_dtype = cfg.rollout.dtype if cfg.rollout.dtype != "auto" else m.dtype
+    if m.load_in_4bit and backend == "vllm" and gpu and engine_dtype == "float32":
+        key = "rollout.dtype" if cfg.rollout.dtype != "auto" else "model.dtype"
+        found.append(
+            ConfigError(
+                f"{key}: float32 with model.load_in_4bit: vllm-bnb-plugin 0.0.3 cannot load an "
+                "NF4 copy in float32 (quantization/linear.py sizes the packed weight by the dtype's "
+                "bytes, so params.py's shape assertion fails; docs/qlora.md); use "
+                "rollout.dtype=bfloat16 (float16 on a T4) or auto"
+            )
+        )
     if backend not in ("vllm", "unsloth") or (backend == "unsloth" and not gpu):
         return found  # unsloth without a GPU: checks.machine says so
     stack = stack or Stack.read()

@@ -45,8 +45,9 @@ GPU_ONLY = {
     "cache from rollout.kv_cache_gb (default 0.5 GiB)",
     "rollout.sleep_between_phases": "CPU vLLM has no sleep mode; the sleep / wake phase "
     "bookkeeping still runs (tests/test_vllm_rollout.py checks it)",
-    "model.load_in_4bit": "the trainer's base is NF4 here as on a GPU; vLLM's own "
-    "quantization='bitsandbytes' copy needs a GPU, so the CPU engine keeps a bf16 base",
+    "model.load_in_4bit": "the trainer's base is NF4 here as on a GPU; vLLM makes its own "
+    "NF4 copy on CPU too where vllm-bnb-plugin is installed (the vllm tier) and the engine is "
+    "16-bit, else keeps a full-precision base (rollout/vllm.py cpu_nf4_blocker)",
     "rollout.device": "auto: the trainer's device, here the CPU",
     "model.attn_implementation": "auto: sdpa on a GPU, device.resolve_attn's CPU choice here",
 }
@@ -193,6 +194,7 @@ def test_flagship_settings_train_and_resume_with_the_transformers_sampler(small_
 def test_flagship_settings_train_and_resume_with_the_vllm_sampler(small_qwen3, tmp_path):
     pytest.importorskip("vllm")
     steps = _train_stop_resume(small_qwen3, "vllm", tmp_path)
-    # vLLM's bf16 full-precision base vs the trainer's NF4 one: a real gap, logged and corrected
+    # vLLM's bf16 NF4 copy (full precision without vllm-bnb-plugin) vs the trainer's NF4 base:
+    # a real gap (bf16 round-off; dequantisation too without the plugin), logged and corrected
     assert all(0 < r["rollout/logp_diff_max"] < 2.0 for r in steps)
     assert all(0.9 < r["rollout/is_ratio_mean"] < 1.1 for r in steps)

@@ -165,7 +165,8 @@ def test_trained_base_tensors_with_an_nf4_vllm_copy_are_refused(monkeypatch):
     with pytest.raises(ConfigError) as e:
         checks.machine(cfg)
     _one_line(e.value, "model.trainable_extra: ['norm']", "reload_weights", "leave")
-    # 16-bit vLLM copies reload (tests/test_vllm_rollout.py); on CPU vLLM keeps full precision
+    # 16-bit vLLM copies reload (tests/test_vllm_rollout.py); on CPU a run that trains base
+    # tensors keeps a full-precision vLLM copy (rollout/vllm.py cpu_nf4_blocker)
     assert not stack.refusals(_cfg(FLAGSHIP, "model.trainable_extra=[norm]",
                                    "model.load_in_4bit=false"), GPU, stack.Stack({}))  # fmt: skip
 
@@ -182,7 +183,21 @@ def test_4bit_on_a_gpu_with_a_vllm_without_bitsandbytes_is_refused():
     assert isinstance(e, UserError)
     _one_line(e, "model.load_in_4bit", "vLLM 0.32.0 has no bitsandbytes", "vllm-bnb-plugin>=0.0.3")
     assert stack.refusals(_gpu_4bit("model.load_in_4bit=false"), GPU, s) == []
-    assert stack.refusals(_gpu_4bit(), torch.device("cpu"), s) == []  # CPU vLLM: no NF4 copy
+    # CPU: no refusal; without the plugin the engine keeps full precision (cpu_nf4_blocker)
+    assert stack.refusals(_gpu_4bit(), torch.device("cpu"), s) == []
+
+
+def test_a_float32_nf4_vllm_copy_is_refused_on_a_gpu():
+    """vllm-bnb-plugin 0.0.3 sizes the packed 4-bit weight by the dtype's bytes: a float32
+    engine fails a shape assertion after the trainer has loaded (tests/test_vllm_nf4.py shows it
+    on CPU)."""
+    s = stack.Stack({"vllm": "0.32.0", "vllm-bnb-plugin": "0.0.3", "bitsandbytes": "0.50.2"},
+                    bnb_plugins=("b",))  # fmt: skip
+    for key in ("rollout.dtype", "model.dtype"):
+        [e] = stack.refusals(_gpu_4bit(f"{key}=float32"), GPU, s)
+        _one_line(e, f"{key}: float32 with model.load_in_4bit", "rollout.dtype=bfloat16")
+    assert stack.refusals(_gpu_4bit("rollout.dtype=bfloat16"), GPU, s) == []
+    assert stack.refusals(_gpu_4bit("model.dtype=float32", "rollout.dtype=float16"), GPU, s) == []
 
 
 @pytest.mark.parametrize(
