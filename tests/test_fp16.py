@@ -30,7 +30,7 @@ import torch
 
 from ebpo_lite import config, faults, loss
 from ebpo_lite import scaler as scaler_mod
-from ebpo_lite.errors import ConfigError
+from ebpo_lite.errors import ConfigError, TrainingFault
 from ebpo_lite.metrics import read_metrics
 from ebpo_lite.policy import completion_logprobs, make_batch
 from ebpo_lite.scaler import LossScaler
@@ -181,6 +181,10 @@ def test_inf_gradients_of_a_finite_loss_halve_the_scale_and_skip(monkeypatch):
     with pytest.raises(faults.NonFinite) as e:  # without scaling: the old reason
         faults.check_update(torch.tensor(1.0), torch.tensor(float("inf")), LossScaler(False))
     assert e.value.reason == "gradients"
+    skips = faults.Skips(limit=1)  # overflow at every scale: one line naming the cause
+    skips.skip(7, "scaled_gradients")
+    with pytest.raises(TrainingFault, match="float16 gradients overflowed at every loss scale"):
+        skips.maybe_stop(7)
 
 
 def _fp16(out, **extra):
