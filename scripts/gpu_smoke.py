@@ -261,12 +261,13 @@ def build_small_model(folder: Path) -> str:
     return str(folder)
 
 
-def machine_facts(device: str) -> dict:
+def machine_facts(device: str, versions: bool = True) -> dict:
     """`gpu_facts`, read by a child process (this one never imports torch)."""
     with tempfile.TemporaryDirectory(prefix="ebpo_gpu_facts_") as tmp:
         out = Path(tmp) / "facts.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "facts"]
         cmd += ["--child-result", str(out), *(["--cpu-rehearsal"] if device == "cpu" else [])]
+        cmd += [] if versions else ["--", "no-versions"]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), cwd=REPO)
         if proc.returncode != 0 or not out.is_file():
             raise SystemExit(f"gpu_smoke: reading the machine's facts failed: {_tail(proc)}")
@@ -300,7 +301,8 @@ def run_child(variant: str, argv: list[str], result_path: Path, device: str = "c
     from ebpo_lite.qlora_check import json_ready
 
     if variant == "facts":
-        result_path.write_text(json.dumps(json_ready(gpu_facts(device)), allow_nan=False))
+        facts = gpu_facts(device, with_versions=argv != ["no-versions"])
+        result_path.write_text(json.dumps(json_ready(facts), allow_nan=False))
         return 0
     if variant == "small_model":
         from ebpo_lite.qlora_check import LARGE_SHAPE
@@ -376,14 +378,15 @@ def run_check_child(argv: list[str], result_path: Path, device: str) -> int:
     return res["rc"]
 
 
-def gpu_facts(device: str = "cuda") -> dict:
-    """In the `facts` child: versions (each package imported, so a broken one says so), and on
-    CUDA the GPU, its capability and memory and whether it computes bf16 natively (`no_cuda`
-    when torch sees no CUDA device)."""
+def gpu_facts(device: str = "cuda", with_versions: bool = True) -> dict:
+    """In the `facts` child: versions (each package imported, so a broken one says so; not
+    with `with_versions=False`), and on CUDA the GPU, its capability and memory and whether it
+    computes bf16 natively (`no_cuda` when torch sees no CUDA device)."""
     import torch
 
     versions = {}
-    for pkg in ("torch", "transformers", "peft", "bitsandbytes", "vllm", "unsloth"):
+    packages = ("torch", "transformers", "peft", "bitsandbytes", "vllm", "unsloth")
+    for pkg in packages if with_versions else ():
         try:
             versions[pkg] = __import__(pkg).__version__ if importlib.util.find_spec(pkg) else None
         except Exception as e:  # an installed but broken package: say so
@@ -443,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(key, value)  # hub for kernels unless told it is offline
     if args.child:
         return run_child(args.child, args.child_argv, Path(args.child_result), device)
-    facts = machine_facts(device)  # in a child: this process never touches CUDA
+    facts = machine_facts(device, versions=not args.wheels)  # in a child: never CUDA here
     if facts.get("no_cuda"):
         print(
             f"gpu_smoke: no CUDA device visible (torch {facts['torch']}, CUDA build "
@@ -455,8 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.wheels:
         target = Path(args.wheels_target).resolve() if args.wheels_target else None
         wheels = install_wheels(Path(args.wheels).resolve(), target)
-        if wheels["installed"]:
-            facts = machine_facts(device)  # with the versions of what was just installed
+        facts = machine_facts(device)  # with the versions of what is now installed
     # the CPU rehearsal proves the plumbing, not 16-bit numerics
     dtype = "float32" if device == "cpu" else ("bfloat16" if facts.pop("bf16") else "float16")
     chosen = [v for v in VARIANTS if not args.only or v in args.only.split(",")]
