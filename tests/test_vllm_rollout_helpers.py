@@ -159,6 +159,17 @@ def test_exchange_bytes_counts_two_adapter_versions_and_a_trained_base(tmp_path)
     assert rv.exchange_bytes(policy) == 2 * 4 * lora + 4 * base
 
 
+def test_exchange_bytes_counts_an_nf4_weight_at_its_16_bit_size_on_disk():
+    pytest.importorskip("bitsandbytes")
+    from types import SimpleNamespace as NS
+
+    from ebpo_lite.qlora_check import nf4_layer
+
+    layer = nf4_layer(torch.randn(64, 128), torch.float32, torch.device("cpu"))
+    assert layer.weight.numel() == 64 * 128 // 2  # two 4-bit codes per stored byte
+    assert rv.exchange_bytes(NS(model=layer, trains_base=True)) == 64 * 128 * 2
+
+
 def test_adapter_workdir_removes_folders_of_dead_processes_only(tmp_path, monkeypatch):
     """A killed run leaves its folders in /dev/shm (memory) until reboot: the next run removes
     them; a live process's (this one's) and folders of another naming stay."""
