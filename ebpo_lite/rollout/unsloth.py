@@ -1,7 +1,8 @@
 """Sampling through Unsloth's vLLM engine, which shares the 4-bit base weights with the trainer.
 
 CHECKED ONLY ON A GPU: Unsloth needs a CUDA GPU and pins its own transformers / trl versions, so
-nothing here runs in this project's CPU CI. It is written against Unsloth's documented API:
+Unsloth never runs in this project's CPU CI (tests/test_adapter_save_offline.py runs the code
+around it with its loader faked). It is written against Unsloth's documented API and source:
 
     model, tokenizer = FastLanguageModel.from_pretrained(name, max_seq_length=..., dtype=...,
         load_in_4bit=True, fast_inference=True, max_lora_rank=..., gpu_memory_utilization=...)

@@ -58,8 +58,8 @@ the engine reads.)
 Departures: sampling seeds are per prompt (derived from the step seed and the prompt index)
 rather than one per batch, because vLLM gives the g-th sample of every prompt in a request list
 the same seed (`seed + g`), which correlates samples across prompts. The GPU paths (bitsandbytes
-quantisation, sleep / wake, the two-GPU layout) are written against vLLM's documented API and
-checked only on CPU here.
+quantisation, sleep / wake, the engine process's GPU placement) are written against vLLM's API
+and source and checked only on CPU here.
 """
 
 from __future__ import annotations
