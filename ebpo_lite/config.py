@@ -48,7 +48,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    name: str = "arithmetic"  # arithmetic | a preset (gsm8k, math, ...) | a hub dataset id
+    name: str = "arithmetic"  # arithmetic(_chat): built in | a preset (gsm8k, ...) | a hub id
     path: str | None = None  # local json / jsonl / parquet file (overrides name's location)
     preset: str = "auto"  # schema preset; auto: guessed from name / path
     split: str = "train"

@@ -7,6 +7,9 @@ sources:
   `difficulty` level (1-3, see `_arithmetic_problem`), so the topic and difficulty curricula and the
   hierarchical prior have something real to work on. The eval split is held out: no problem in it
   appears in the train split.
+- `arithmetic_chat`: the same problems asked as a chat model is asked them (`What is 35 - 8?`
+  through the tokenizer's chat template, answer boxed as the system prompt says, scored by
+  `math_answer`): the task of recipes/smollm2_cpu.yaml, for a real pretrained chat model.
 - real math data (GSM8K, MATH, AIME, ...): `ebpo_lite.mathdata`, from local files or the hub.
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 import zlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -124,6 +128,20 @@ def _is_eval(prompt: str) -> bool:
     return zlib.crc32(prompt.encode()) % 8 == 0
 
 
+ARITHMETIC_CHAT = "arithmetic_chat"
+
+
+def as_question(ex: Example) -> Example:
+    """`35-8=` asked in words, `What is 35 - 8?`; answer, topic, difficulty and meta kept."""
+    a, op, b = re.fullmatch(r"(\d+)([+*-])(\d+)=", ex.prompt).groups()
+    return dataclasses.replace(ex, prompt=f"What is {a} {op} {b}?")
+
+
+def is_generated(cfg: DataConfig) -> bool:
+    """The built-in generator: `arithmetic` (raw text) or `arithmetic_chat` (chat questions)."""
+    return cfg.name in ("arithmetic", ARITHMETIC_CHAT) and cfg.path is None
+
+
 def is_arithmetic(cfg: DataConfig) -> bool:
     """True for the built-in generated task (raw-text prompts, exact-integer reward)."""
     return cfg.name == "arithmetic" and cfg.path is None
@@ -190,11 +208,13 @@ def _encode(tokenizer, ex: Example, cfg: DataConfig, raw: bool | None, truncate:
 
 def load_train_eval(cfg: DataConfig) -> tuple[list[Example], list[Example]]:
     """The training examples and the held-out examples for the in-training eval."""
-    if is_arithmetic(cfg):
+    if is_generated(cfg):
         train = arithmetic_examples(cfg.num_train, seed=cfg.seed, split="train")
         held = (
             arithmetic_examples(cfg.num_eval, seed=cfg.seed, split="eval") if cfg.num_eval else []
         )
+        if cfg.name == ARITHMETIC_CHAT:
+            train, held = [as_question(e) for e in train], [as_question(e) for e in held]
     else:
         from ebpo_lite import mathdata
 
@@ -216,4 +236,6 @@ def describe_source(cfg: DataConfig, examples: list[Example]) -> str:
     """Where the examples came from, for the run's start-up line."""
     if is_arithmetic(cfg):
         return "the built-in arithmetic task"
+    if is_generated(cfg):
+        return "the built-in arithmetic task, asked through the chat template"
     return str(getattr(examples, "source", None) or cfg.path or cfg.name)

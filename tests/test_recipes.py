@@ -18,8 +18,8 @@ def test_recipes_exist():
 
 def _preset(d: config.DataConfig) -> str | None:
     """The schema preset `mathdata` would use, decided from the config alone (no data read)."""
-    if d.name == "arithmetic" and d.path is None:
-        return "arithmetic"
+    if d.name in ("arithmetic", "arithmetic_chat") and d.path is None:
+        return "arithmetic"  # the built-in generator (raw text, or asked through the template)
     if d.preset != "auto":
         return d.preset if d.preset in presets.PRESETS else None
     if d.prompt_field or d.answer_field:
