@@ -166,6 +166,20 @@ NO_BNB_PLUGIN = (
 )
 
 
+def _load_error(monkeypatch, error: BaseException, *overrides: str) -> str:
+    """The UserError message of an Unsloth load whose from_pretrained raises `error`."""
+
+    class Refusing(FakeFastLanguageModel):
+        @classmethod
+        def from_pretrained(cls, model_name, **kwargs):
+            raise error
+
+    monkeypatch.setattr(unsloth, "_import_unsloth", lambda: (Refusing, None))
+    with pytest.raises(UserError) as e:
+        unsloth.load_unsloth_policy(_unsloth_cfg(*overrides))
+    return str(e.value)
+
+
 @pytest.mark.parametrize(
     "error",
     [
@@ -176,18 +190,8 @@ NO_BNB_PLUGIN = (
         ),
     ],
 )
-def test_unsloth_4bit_without_vllm_bitsandbytes_is_one_line_with_the_fix(
-    tmp_path, monkeypatch, error
-):
-    class Refusing(FakeFastLanguageModel):
-        @classmethod
-        def from_pretrained(cls, model_name, **kwargs):
-            raise error
-
-    monkeypatch.setattr(unsloth, "_import_unsloth", lambda: (Refusing, None))
-    with pytest.raises(UserError) as e:
-        unsloth.load_unsloth_policy(_unsloth_cfg("model.load_in_4bit=true"))
-    msg = str(e.value)
+def test_unsloth_4bit_without_vllm_bitsandbytes_is_one_line_with_the_fix(monkeypatch, error):
+    msg = _load_error(monkeypatch, error, "model.load_in_4bit=true")
     assert "\n" not in msg and msg.startswith("model.load_in_4bit: Unsloth's fast_inference")
     assert "pip install -U vllm-bnb-plugin" in msg and "model.load_in_4bit=false" in msg
 
@@ -201,15 +205,7 @@ def test_unsloth_4bit_without_vllm_bitsandbytes_is_one_line_with_the_fix(
     ],
 )
 def test_other_unsloth_load_errors_are_one_line_naming_the_model(monkeypatch, error):
-    class Refusing(FakeFastLanguageModel):
-        @classmethod
-        def from_pretrained(cls, model_name, **kwargs):
-            raise error
-
-    monkeypatch.setattr(unsloth, "_import_unsloth", lambda: (Refusing, None))
-    with pytest.raises(UserError) as e:
-        unsloth.load_unsloth_policy(_unsloth_cfg())
     first = str(error).splitlines()[0]
-    assert str(e.value) == (
+    assert _load_error(monkeypatch, error) == (
         f"model.name: Unsloth cannot load {HUB_ID!r} ({type(error).__name__}: {first})"
     )
