@@ -226,9 +226,10 @@ def refusals(cfg: Config, device: torch.device, stack: Stack | None = None) -> l
                 "or set model.load_in_4bit=false, or rollout.backend=hf"
             )
         )
-    engine_dtype = cfg.rollout.dtype if cfg.rollout.dtype != "auto" else m.dtype
-    if m.load_in_4bit and backend == "vllm" and gpu and engine_dtype == "float32":
-        key = "rollout.dtype" if cfg.rollout.dtype != "auto" else "model.dtype"
+    from ebpo_lite.rollout.common import engine_dtype
+
+    dtype, key = engine_dtype(cfg)
+    if m.load_in_4bit and backend == "vllm" and gpu and dtype == "float32":
         found.append(
             ConfigError(
                 f"{key}: float32 with model.load_in_4bit: vllm-bnb-plugin 0.0.3 cannot load an "

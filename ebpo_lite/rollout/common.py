@@ -115,6 +115,14 @@ def truncation_warning(top_p: float, top_k: int, min_p: float, is_correction: st
     return msg
 
 
+def engine_dtype(cfg: Any) -> tuple[str, str]:
+    """(dtype name, the key that set it) of the vLLM engine: `rollout.dtype`, else `model.dtype`
+    (`auto` is resolved per device by `device.resolve_dtype`)."""
+    if cfg.rollout.dtype != "auto":
+        return cfg.rollout.dtype, "rollout.dtype"
+    return cfg.model.dtype, "model.dtype"
+
+
 SHM = Path("/dev/shm")
 SHM_HEADROOM = 64 * 2**20  # left free in /dev/shm for others (torch's shared tensors, NCCL ...)
 

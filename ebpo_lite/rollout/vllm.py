@@ -81,6 +81,7 @@ from ebpo_lite.rollout.common import (
     adapter_workdir,
     check_lengths,
     derive_max_model_len,
+    engine_dtype,
     engine_process_env,
     exchange_bytes,
     maybe_warn_truncation,
@@ -154,10 +155,8 @@ class VLLMRollout:
             )
         from ebpo_lite.device import resolve_dtype
 
-        dtype_key = "rollout.dtype" if r.dtype != "auto" else "model.dtype"
-        dtype = resolve_dtype(
-            r.dtype if r.dtype != "auto" else cfg.model.dtype, self.device, dtype_key
-        )
+        name, key = engine_dtype(cfg)
+        dtype = resolve_dtype(name, self.device, key)
         self._dtype_name = str(dtype).removeprefix("torch.")
         kwargs: dict[str, Any] = dict(
             model=str(policy.base_path),
