@@ -106,7 +106,7 @@ CONSTANTS: dict[str, tuple[Any, str, str]] = {
     "unsloth_utilization": (
         "util x free / total",
         "from-source",
-        "unsloth_zoo 2026.8.13 vllm_utils.py: approximate_vllm_memory_usage, load_vllm",
+        "unsloth_zoo 2026.8.13 and 2026.10.9 vllm_utils.py: approximate_vllm_memory_usage, load_vllm",
     ),
     "trainer_nf4_bytes_per_param": (
         "0.516 (double quant)",
