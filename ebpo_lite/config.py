@@ -177,6 +177,9 @@ class LogConfig:
     tensorboard: bool = False
     wandb: bool = False
     wandb_project: str = "ebpo_lite"
+    # what the model writes (ebpo_lite/samples.py, docs/monitoring.md)
+    show_completions: int = 2  # completions printed at the first step and each eval step; 0: off
+    completions_every: int = 10  # steps between writes of completions.jsonl; 0: never
 
 
 @dataclass(frozen=True)
@@ -514,3 +517,5 @@ def validate(cfg: Config) -> None:
     for name in e.benchmarks:
         _one_of(name, ("arithmetic", *BENCHMARKS), "eval.benchmarks")
     _one_of(cfg.log.progress, ("auto", "bar", "lines", "none"), "log.progress")
+    _check(cfg.log.show_completions >= 0, "log.show_completions", "must be >= 0 (0: off)")
+    _check(cfg.log.completions_every >= 0, "log.completions_every", "must be >= 0 (0: never)")
