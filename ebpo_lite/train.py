@@ -242,7 +242,11 @@ def learned_lines(before: dict | None, after: dict | None) -> list[str]:
     """What the run learned, in words: before -> after on the eval metrics, then per type."""
     before, after = before or {}, after or {}
     lines = []
-    for key, label in (("eval/accuracy", "greedy"), ("eval/expected_accuracy", "exact")):
+    for key, label in (
+        ("eval/accuracy", "greedy"),
+        ("eval/expected_accuracy", "exact"),
+        ("eval/reward", "all reward functions"),
+    ):
         if key not in after:
             continue
         if key in before:
