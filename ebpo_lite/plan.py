@@ -2,6 +2,8 @@
 
     python -m ebpo_lite.plan RECIPE.yaml [key=value ...] [--gpu NAME_OR_GIB] [--json FILE]
 
+`--gpu` takes a card's name or its memory in GiB (`ebpo_lite.gpus`: `3090` is the card).
+
 Prints a table of every component; `--json` writes them all (`policy_weights_gb`, `total_gb`, ...,
 `fits`, `recommended_gpu_memory_utilization`, `recommended_micro_batch_size`, `advice`). Exit status:
 0 fits, 1 does not fit on the named GPU (default 24 GiB), 2 a user error (one line on stderr).
@@ -54,13 +56,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
 from ebpo_lite import cli
 from ebpo_lite.errors import UserError
+from ebpo_lite.gpus import GPU_FORMS, parse_gpu
 from ebpo_lite.memory import (
     GIB,
     Arch,
@@ -92,33 +94,6 @@ from ebpo_lite.plan_vllm import (
 HF_PROMPTS_PER_CALL = 256  # rollout/hf.py's micro_batch of prompts per generate call
 EVAL_CHUNK_CPU = 64  # prompts per eval generate call on CPU, where memory is not the limit
 EVAL_CHUNK_MAX = 256  # never more per call on a GPU either (padding waste, latency)
-
-# name -> (label, GiB as nvidia-smi reports the card's memory, approximately)
-GPUS = {
-    "t4": ("Tesla T4 16GB", 15.0),
-    "p100": ("Tesla P100 16GB", 15.9),
-    "l4": ("NVIDIA L4 24GB", 22.5),
-    "a10g": ("NVIDIA A10G 24GB", 22.5),
-    "rtx3090": ("RTX 3090 24GB", 24.0),
-    "rtx4090": ("RTX 4090 24GB", 24.0),
-    "a10040gb": ("A100 40GB", 40.0),
-    "a10080gb": ("A100 80GB", 80.0),
-    "h100": ("H100 80GB", 79.6),
-    "h200": ("H200 141GB", 140.4),
-}
-_GPU_ALIASES = {
-    "3090": "rtx3090",
-    "4090": "rtx4090",
-    "a10040": "a10040gb",
-    "a10080": "a10080gb",
-    "h10080gb": "h100",
-    "h200141gb": "h200",
-    "t416gb": "t4",
-    "p10016gb": "p100",
-    "l424gb": "l4",
-    "a10g24gb": "a10g",
-}
-
 
 # ----------------------------------------------------------------------------- the plan
 
@@ -429,22 +404,10 @@ def eval_chunk_size(cfg: Any, policy: Any, k: int, prompt_tokens: int, new_token
 # ----------------------------------------------------------------------------- CLI, preflight
 
 
-def parse_gpu(text: str) -> tuple[str, float]:
-    """A GPU name (T4, L4, A10G, RTX4090, A100-40GB, H100, ...) or a number of GiB."""
-    try:
-        gib = float(text)
-    except ValueError:
-        key = re.sub(r"[^a-z0-9]", "", text.lower())
-        key = _GPU_ALIASES.get(key, key)
-        if key not in GPUS:
-            names = ", ".join(label.rsplit(" ", 1)[0] for label, _ in GPUS.values())
-            raise UserError(
-                f"--gpu: unknown GPU {text!r} (known: {names}; or a number of GiB)"
-            ) from None
-        return GPUS[key]
-    if not gib > 0:
-        raise UserError(f"--gpu: expected a positive number of GiB, got {text!r}")
-    return f"{gib:g} GiB", gib
+TOTALS_NOTE = [
+    "phase and total rows: every sequence of a step in vLLM's KV cache at once (least: one group);",
+    "the run holds that reservation and samples in waves: the 'as written' line decides fits.",
+]
 
 
 def format_table(p: dict[str, Any]) -> str:
@@ -502,6 +465,7 @@ def format_table(p: dict[str, Any]) -> str:
             f"vLLM reserves {p['vllm_reserved_gb']:.1f} GiB: "
             f"{p['vllm_concurrent_sequences']} of {p['sequences_per_step']} sequences at once"
         )
+        lines += TOTALS_NOTE
     rec_mb = p["recommended_micro_batch_size"] or "none fits"
     rec_util = p["recommended_gpu_memory_utilization"]
     lines.append(
@@ -527,16 +491,26 @@ def _constants_lines(constants: dict[str, dict[str, Any]]) -> list[str]:
     ]
 
 
+EXIT_STATUS = (
+    "exit status: 0 the recipe fits, 1 it does not fit on that GPU (the table says what to "
+    "change), 2 a user error (one line on stderr)"
+)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2 (argparse would print usage too)
         raise UserError(f"plan: {message}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog=cli.prog("python -m ebpo_lite.plan"), description=__doc__.split("\n")[0])
+    parser = _Parser(
+        prog=cli.prog("python -m ebpo_lite.plan"),
+        description=__doc__.split("\n")[0],
+        epilog=EXIT_STATUS,
+    )
     parser.add_argument("recipe", help="recipe YAML")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
-    parser.add_argument("--gpu", default="24", help="GPU name or GiB (default 24)")
+    parser.add_argument("--gpu", default="24", help=f"{GPU_FORMS} (default 24)")
     parser.add_argument("--json", help="write the plan as JSON to this file")
     try:
         args = parser.parse_intermixed_args(argv)

@@ -608,8 +608,87 @@ def test_parse_gpu():
     assert plan.parse_gpu("T4") == ("Tesla T4 16GB", 15.0)
     assert plan.parse_gpu("a100-80gb")[1] == 80.0 and plan.parse_gpu("RTX4090")[1] == 24.0
     assert plan.parse_gpu("12.5") == ("12.5 GiB", 12.5)
-    with pytest.raises(UserError, match="^--gpu: unknown GPU 'V100'"):
-        plan.parse_gpu("V100")
+    with pytest.raises(UserError, match="^--gpu: unknown GPU 'GTX 9000'"):
+        plan.parse_gpu("GTX 9000")
+
+
+@pytest.mark.parametrize(
+    "text,label,gib",
+    [  # a card's number is its name, never its GiB (issue 32: `--gpu 3090` planned 3,090 GiB)
+        ("3090", "RTX 3090 24GB", 24.0),
+        ("4090", "RTX 4090 24GB", 24.0),
+        ("RTX 3090", "RTX 3090 24GB", 24.0),
+        ("A100-40GB", "A100 40GB", 40.0),
+        ("a100 80gb", "A100 80GB", 80.0),
+        ("H100", "H100 80GB", 79.6),
+        ("p100", "Tesla P100 16GB", 15.9),
+        ("L4", "NVIDIA L4 24GB", 22.5),
+        ("A10G", "NVIDIA A10G 24GB", 22.5),
+        ("V100-32GB", "Tesla V100 32GB", 31.7),
+        ("v100 16gb", "Tesla V100 16GB", 15.8),
+        ("24", "24 GiB", 24.0),  # sizes: bare, GB (a card's "24GB" is 24 GiB) or GiB
+        ("24GB", "24 GiB", 24.0),
+        ("24GiB", "24 GiB", 24.0),
+        ("24 gib", "24 GiB", 24.0),
+        ("12.5GB", "12.5 GiB", 12.5),
+    ],
+)
+def test_gpu_names_and_sizes_resolve(text, label, gib):
+    assert plan.parse_gpu(text) == (label, gib)
+
+
+@pytest.mark.parametrize(
+    "text,why",
+    [
+        ("3091", "is not a GPU's memory"),  # no card has 3,091 GiB: refused, not planned
+        ("257", "is not a GPU's memory"),
+        ("0", "is not a GPU's memory"),
+        ("-4", "unknown GPU"),
+        ("24TB", "unknown GPU"),
+        ("nan", "unknown GPU"),
+        ("V100", "comes in two sizes: write V100-16GB or V100-32GB"),
+        ("A100", "comes in two sizes: write A100-40GB or A100-80GB"),
+    ],
+)
+def test_gpu_refusals_are_one_line_naming_the_accepted_forms(text, why, capsys):
+    with pytest.raises(UserError, match=f"^--gpu: .*{re.escape(repr(text))}") as e:
+        plan.parse_gpu(text)
+    assert why in str(e.value) and "\n" not in str(e.value)
+    if "two sizes" not in why:
+        assert "3090" in str(e.value) and "24GiB" in str(e.value)  # the forms it accepts
+    assert plan.main(["recipes/tiny_cpu.yaml", "--gpu", text]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_front_door_plans_3090_as_the_card_and_exits_1_when_it_does_not_fit(capsys):
+    from ebpo_lite.__main__ import main
+
+    recipe = str(REPO / "recipes/qwen3_8b_lora.yaml")
+    assert main(["plan", recipe, "--gpu", "3090"]) == 0
+    assert "on RTX 3090 24GB (24 GiB) as written" in capsys.readouterr().out
+    assert main(["plan", recipe, "--gpu", "T4"]) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_help_documents_the_exit_status(capsys):
+    with pytest.raises(SystemExit) as e:
+        plan.main(["--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "exit status: 0 the recipe fits, 1 it does not fit" in out and "2 a user error" in out
+
+
+def test_the_table_says_what_its_totals_count(capsys):
+    """With vLLM the total rows hold every sequence at once, while the run holds only vLLM's
+    reservation (here 28.8 GiB 'total' on a 22.5 GiB L4 that fits): the table says so."""
+    name, gib = plan.parse_gpu("L4")
+    p = plan.plan(_load("qwen3_8b_lora"), gib, name)
+    assert p["fits"] and p["total_gb"] > p["gpu_gb"]  # the case that read as a contradiction
+    table = plan.format_table(p)
+    assert "every sequence of a step in vLLM's KV cache at once" in table
+    assert "samples in waves: the 'as written' line decides fits" in table
+    hf = plan.format_table(plan.plan(_load("tiny_cpu"), 24.0))
+    assert "vLLM's KV cache" not in hf  # transformers generate holds them all: nothing to explain
 
 
 # ----------------------------------------------------------------------------- CLI, preflight
@@ -653,7 +732,7 @@ def test_cli_exit_1_when_it_does_not_fit(capsys):
     [
         (["recipes/nope.yaml"], "recipes/nope.yaml: recipe file not found"),
         (["recipes/qwen3_8b_lora.yaml", "train.bogus=1"], "train.bogus: unknown key"),
-        (["recipes/qwen3_8b_lora.yaml", "--gpu", "V100"], "--gpu: unknown GPU"),
+        (["recipes/qwen3_8b_lora.yaml", "--gpu", "K80"], "--gpu: unknown GPU"),
         (["recipes/qwen3_8b_lora.yaml", "model.name=org/unknown"], "model.name: no architecture"),
         ([], "plan: the following arguments are required: recipe"),
     ],
