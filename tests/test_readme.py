@@ -1,9 +1,19 @@
-"""The README names only config keys that exist: every `section.key` it mentions is a field."""
+"""What the README and the docs pages its text moved to state, checked against the code.
+
+The README is a front page (issue 32: read in five minutes); its longer sections live in docs/
+(`PAGES`). Every check that read the README reads the page holding that text now:
+- every `section.key` a page names in inline code is a config field;
+- the recipe table's memory column is what `ebpo-lite recipes` computes;
+- every relative link of the README and docs/ resolves: the file exists, and an anchor names a
+  heading of that page (GitHub's slugs).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import re
+
+import pytest
 
 from ebpo_lite.config import Config
 from tests.conftest import REPO
@@ -13,6 +23,9 @@ CODE = re.compile(r"`[^`\n]+`")
 # section.key not inside a dotted name or a path (ebpo_lite.train, ebpo_lite/train.py)
 KEY = re.compile(r"(?<![\w./-])(" + "|".join(SECTIONS) + r")\.([a-z_0-9]+)")
 FILE_SUFFIXES = {"py", "json", "jsonl", "yaml", "md", "png", "partial"}
+# The README and the pages that hold what the README said before issue 32.
+PAGES = ["README.md", "docs/estimators.md"]
+LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
 def _fields(section: str) -> set[str]:
@@ -30,11 +43,21 @@ def keys_named(text: str) -> list[tuple[str, str]]:
     ]
 
 
-def test_readme_config_keys_exist():
-    found = keys_named((REPO / "README.md").read_text())
-    assert len(found) > 50, "the README names config keys in backticks"
-    missing = sorted({f"{s}.{k}" for s, k in found if k not in _fields(s)})
-    assert not missing, f"README names config keys that do not exist: {missing}"
+def _missing_keys(page: str) -> list[str]:
+    found = keys_named((REPO / page).read_text())
+    return sorted({f"{s}.{k}" for s, k in found if k not in _fields(s)})
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_readme_config_keys_exist(page):
+    missing = _missing_keys(page)
+    assert not missing, f"{page} names config keys that do not exist: {missing}"
+
+
+def test_the_pages_name_config_keys():
+    """The scan reads what it should: the README's former text names over 50 keys."""
+    found = [k for page in PAGES for k in keys_named((REPO / page).read_text())]
+    assert len(found) > 50, "the README and its pages name config keys in backticks"
 
 
 def test_the_check_catches_a_wrong_key():
@@ -62,3 +85,61 @@ def test_the_recipe_tables_memory_is_what_ebpo_lite_recipes_shows():
         assert gib(cell) and gib(cell) == gib(listed), (
             f"{name}: README {cell!r}, listing {listed!r}"
         )
+
+
+# ----------------------------------------------------------------------------- links
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation but '-' and '_' dropped."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(text: str) -> set[str]:
+    body = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)  # no headings in code blocks
+    return {slug(h) for h in re.findall(r"^#{1,6} (.+)$", body, re.M)}
+
+
+def broken_links(page: str, text: str) -> list[str]:
+    """Relative links of a page (at REPO / page) whose file or heading anchor does not exist."""
+    base = (REPO / page).parent
+    out = []
+    for target in LINK.findall(re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)):
+        if re.match(r"[a-z]+:", target):
+            continue  # https:, mailto:
+        path, _, anchor = target.partition("#")
+        dest = (base / path).resolve() if path else (REPO / page)
+        if not dest.exists():
+            out.append(f"{page}: {target} (no such file)")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest.read_text()):
+            out.append(f"{page}: {target} (no such heading)")
+    return out
+
+
+def _linking_pages() -> list[str]:
+    return ["README.md"] + sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md"))
+
+
+def test_links_resolve():
+    pages = _linking_pages()
+    assert set(PAGES) <= set(pages)
+    broken = [b for page in pages for b in broken_links(page, (REPO / page).read_text())]
+    assert not broken, broken
+
+
+def test_the_link_check_catches_a_broken_link():
+    assert (
+        slug("The estimators (`ebpo_lite/advantages.py`)") == "the-estimators-ebpo_liteadvantagespy"
+    )
+    assert slug("Measured on the built-in task: EBPO against GRPO") == (
+        "measured-on-the-built-in-task-ebpo-against-grpo"
+    )
+    text = "[a](docs/no_such_page.md) [b](docs/estimators.md#no-such-heading) [c](#start-here)"
+    assert broken_links("README.md", text) == [
+        "README.md: docs/no_such_page.md (no such file)",
+        "README.md: docs/estimators.md#no-such-heading (no such heading)",
+    ]
+    assert broken_links("docs/x.md", "[d](../README.md#no-such)") == [
+        "docs/x.md: ../README.md#no-such (no such heading)"
+    ]
