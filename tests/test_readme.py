@@ -24,7 +24,13 @@ CODE = re.compile(r"`[^`\n]+`")
 KEY = re.compile(r"(?<![\w./-])(" + "|".join(SECTIONS) + r")\.([a-z_0-9]+)")
 FILE_SUFFIXES = {"py", "json", "jsonl", "yaml", "md", "png", "partial"}
 # The README and the pages that hold what the README said before issue 32.
-PAGES = ["README.md", "docs/estimators.md", "docs/troubleshooting.md", "docs/reliability.md"]
+PAGES = [
+    "README.md",
+    "docs/estimators.md",
+    "docs/troubleshooting.md",
+    "docs/reliability.md",
+    "docs/gpu.md",
+]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
