@@ -30,6 +30,7 @@ PAGES = [
     "docs/troubleshooting.md",
     "docs/reliability.md",
     "docs/gpu.md",
+    "docs/benchmarks.md",
 ]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
