@@ -31,6 +31,8 @@ PAGES = [
     "docs/reliability.md",
     "docs/gpu.md",
     "docs/benchmarks.md",
+    "docs/configuration.md",
+    "docs/runs.md",
 ]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
