@@ -33,6 +33,7 @@ PAGES = [
     "docs/benchmarks.md",
     "docs/configuration.md",
     "docs/runs.md",
+    "docs/layout.md",
 ]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
