@@ -51,6 +51,37 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
 
 
+@contextlib.contextmanager
+def quieted():
+    """`quiet_libraries()` for the length of a `with` block, then the settings it changed as they
+    were: the Python API's entry points (`api.py`) are as quiet as the command line without
+    keeping a notebook's own warning filters, `bitsandbytes` log level, transformers verbosity and
+    progress bars changed after the call. bitsandbytes logs its kernel-hub warning ("Failed to
+    load CPU gemm_4bit_forward from kernels-community", bitsandbytes 0.50.2
+    backends/cpu/ops.py) once, when peft first imports it: inside the block, it stays quiet."""
+    import logging
+    import warnings
+
+    from huggingface_hub import utils as hub
+    from transformers.utils import logging as hf_logging
+
+    bnb = logging.getLogger("bitsandbytes")
+    level, verbosity = bnb.level, hf_logging.get_verbosity()
+    bars, hub_bars = hf_logging.is_progress_bar_enabled(), not hub.are_progress_bars_disabled()
+    with warnings.catch_warnings():  # the filter list as it was, after the block
+        quiet_libraries()
+        try:
+            yield
+        finally:
+            bnb.setLevel(level)
+            hf_logging.set_verbosity(verbosity)
+            # transformers' switch sets the hub's too: restore it first, then the hub's own
+            if hf_logging.is_progress_bar_enabled() != bars:
+                (hf_logging.enable_progress_bar if bars else hf_logging.disable_progress_bar)()
+            if hub.are_progress_bars_disabled() == hub_bars:  # differs from what it was
+                (hub.enable_progress_bars if hub_bars else hub.disable_progress_bars)()
+
+
 def run(fn: Callable[..., Any], *args: Any) -> int:
     """Call `fn(*args)`; a `UserError` becomes one line on stderr and exit status 2, a
     `TrainingFault` (the run stopped itself, see `faults.py`) one line and exit status 3."""
