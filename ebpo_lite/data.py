@@ -10,7 +10,14 @@ sources:
 - `arithmetic_chat`: the same problems asked as a chat model is asked them (`What is 35 - 8?`
   through the tokenizer's chat template, answer boxed as the system prompt says, scored by
   `math_answer`): the task of recipes/smollm2_cpu.yaml, for a real pretrained chat model.
-- real math data (GSM8K, MATH, AIME, ...): `ebpo_lite.mathdata`, from local files or the hub.
+- real math data (GSM8K, MATH, AIME, ...) and a user's own file: `ebpo_lite.mathdata`, from
+  local files or the hub.
+
+Held-out examples for the in-training eval (`load_train_eval`, docs/data.md): the arithmetic
+task's own eval split; a preset's test set (gsm8k -> GSM8K test, ...); a separate file
+(`data.eval_path`); or rows split off the training data (`data.eval_size`: a fraction or a count,
+drawn with `data.seed`; by default 10% from 10 rows on, at most `data.num_eval`). A training row
+whose prompt text is also a held-out prompt is dropped, so the two never share a question.
 """
 
 from __future__ import annotations
@@ -147,12 +154,19 @@ def is_arithmetic(cfg: DataConfig) -> bool:
     return cfg.name == "arithmetic" and cfg.path is None
 
 
+def raw_prompts(cfg: DataConfig) -> bool:
+    """Whether prompts go to the model as they are (`data.prompt_format`; auto: the tiny task)."""
+    if cfg.prompt_format == "auto":
+        return is_arithmetic(cfg)
+    return cfg.prompt_format == "raw"
+
+
 def encode_prompt(
     tokenizer, ex: Example, cfg: DataConfig, raw: bool | None = None, truncate: bool = True
 ) -> list[int]:
     """Token ids of a prompt: the raw text for the tiny task, the chat template otherwise.
 
-    `raw` defaults to `is_arithmetic(cfg)`. With `truncate`, a templated prompt longer than
+    `raw` defaults to `raw_prompts(cfg)`. With `truncate`, a templated prompt longer than
     `max_prompt_tokens` keeps the template whole (system turn, user header and footer,
     generation prompt) and loses the FRONT of the question text, its end (usually the question
     asked) kept; `encode_prompts` says how many prompts that happened to.
@@ -180,7 +194,7 @@ def encode_prompts(
 
 def _encode(tokenizer, ex: Example, cfg: DataConfig, raw: bool | None, truncate: bool):
     """(token ids, whether the question was truncated to fit `max_prompt_tokens`)."""
-    if is_arithmetic(cfg) if raw is None else raw:
+    if raw_prompts(cfg) if raw is None else raw:
         return tokenizer.encode(ex.prompt, add_special_tokens=False), False
 
     def encode(question: str) -> list[int]:
@@ -207,7 +221,8 @@ def _encode(tokenizer, ex: Example, cfg: DataConfig, raw: bool | None, truncate:
 
 
 def load_train_eval(cfg: DataConfig) -> tuple[list[Example], list[Example]]:
-    """The training examples and the held-out examples for the in-training eval."""
+    """The training examples and the held-out examples for the in-training eval (the module
+    docstring says which); the held-out list's `source` says where it came from."""
     if is_generated(cfg):
         train = arithmetic_examples(cfg.num_train, seed=cfg.seed, split="train")
         held = (
@@ -215,11 +230,15 @@ def load_train_eval(cfg: DataConfig) -> tuple[list[Example], list[Example]]:
         )
         if cfg.name == ARITHMETIC_CHAT:
             train, held = [as_question(e) for e in train], [as_question(e) for e in held]
+        held = _examples(held, "" if held else "data.num_eval=0")
     else:
         from ebpo_lite import mathdata
 
         train = mathdata.load_examples(cfg)
-        held = mathdata.load_eval_examples(cfg)
+        train, held = _held_out(cfg, train)
+    if cfg.eval_path:
+        held = _eval_file(cfg)
+        train = _examples([e for e in train if e.prompt not in {h.prompt for h in held}], train)
     source = getattr(train, "source", "")
     if cfg.max_examples:
         train = train[: cfg.max_examples]
@@ -230,6 +249,123 @@ def load_train_eval(cfg: DataConfig) -> tuple[list[Example], list[Example]]:
     out = Examples(train)
     out.source = source
     return out, held
+
+
+# ----------------------------------------------------------------------------- held-out split
+
+AUTO_FRACTION, AUTO_MIN_ROWS = 0.1, 10  # data.eval_size=auto: 10%, from 10 rows on
+
+
+def parse_eval_size(value: str) -> float | int | None:
+    """`data.eval_size` as a fraction (float in (0, 1)), a count (int >= 0), or None (auto)."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return None
+    if re.fullmatch(r"\d+", text):
+        return int(text)
+    try:
+        frac = float(text)
+    except ValueError:
+        frac = None
+    if frac is None or frac < 0:
+        raise ConfigError(
+            f"data.eval_size: expected auto, a fraction in (0, 1) or a count >= 0, got {value!r}"
+        )
+    if not 0 < frac < 1:
+        raise ConfigError(
+            f"data.eval_size: a fraction must be in (0, 1), got {value!r}; write a count "
+            "without a decimal point (data.eval_size=50)"
+        )
+    return frac
+
+
+def check_held_out(cfg: DataConfig) -> None:
+    """`data.eval_size` / `data.eval_path`: each well formed, and not set against each other or
+    against the built-in task (config validation: one line naming the key)."""
+    size = parse_eval_size(cfg.eval_size)
+    if size is not None and cfg.eval_path:
+        raise ConfigError(
+            f"data.eval_size: {cfg.eval_size} together with data.eval_path; hold rows out of the "
+            "training data (eval_size) or read them from a file (eval_path), not both"
+        )
+    if size is not None and is_generated(cfg):
+        raise ConfigError(
+            f"data.eval_size: the built-in {cfg.name} task holds out its own problems; set "
+            "data.num_eval instead"
+        )
+    if cfg.eval_path is not None and not cfg.eval_path.strip():
+        raise ConfigError("data.eval_path: must not be empty (null: none)")
+
+
+def _examples(items: list[Example], like: list | str) -> Examples:
+    """`items` as Examples whose `source` is `like` (a string, or another list's source)."""
+    out = Examples(items)
+    out.source = like if isinstance(like, str) else getattr(like, "source", "")
+    return out
+
+
+def _held_out(cfg: DataConfig, rows: list[Example]) -> tuple[Examples, Examples]:
+    """(training, held-out) of a loaded source by `data.eval_size` (see the module docstring)."""
+    from ebpo_lite import mathdata
+
+    size = parse_eval_size(cfg.eval_size)
+    if cfg.eval_path:
+        return _examples(rows, rows), _examples([], "")
+    if size is None:
+        test = mathdata.load_eval_examples(cfg)
+        if test:
+            return _examples(rows, rows), _examples(test, f"the preset's test set, {test.source}")
+    n = len(rows)
+    if size is None and n < AUTO_MIN_ROWS:
+        why = (
+            f"{n} rows are too few for data.eval_size=auto, which holds out 10% from "
+            f"{AUTO_MIN_ROWS} rows on; set data.eval_size=COUNT or data.eval_path"
+        )
+        return _examples(rows, rows), _examples([], why)
+    if size is None:
+        k, how = min(max(1, round(n * AUTO_FRACTION)), cfg.num_eval), "data.eval_size=auto"
+    elif isinstance(size, float):
+        k, how = max(1, round(n * size)), f"data.eval_size={cfg.eval_size}"
+    else:
+        k, how = size, f"data.eval_size={size}"
+    if k == 0:
+        return _examples(rows, rows), _examples([], f"{how}: none")
+    if k >= n:
+        raise ConfigError(
+            f"data.eval_size: {cfg.eval_size} holds out {k} of the {n} examples, leaving none to "
+            "train on; hold out fewer"
+        )
+    picked = set(random.Random(f"held-out-{cfg.seed}").sample(range(n), k))
+    held = [rows[i] for i in sorted(picked)]
+    prompts = {e.prompt for e in held}
+    train = [e for i, e in enumerate(rows) if i not in picked and e.prompt not in prompts]
+    dropped = n - k - len(train)
+    what = f"{k} of {n} rows of {getattr(rows, 'source', '') or 'the data'}, {how}, data.seed {cfg.seed}"
+    if dropped:
+        what += f"; {dropped} training rows that repeat a held-out prompt dropped"
+    return _examples(train, rows), _examples(held, what)
+
+
+def _eval_file(cfg: DataConfig) -> Examples:
+    """The examples of `data.eval_path`, read with the training data's mapping."""
+    from pathlib import Path
+
+    from ebpo_lite import mathdata
+
+    path = Path(cfg.eval_path)
+    if not path.is_file():
+        what = "is a folder" if path.is_dir() else "not found"
+        raise ConfigError(
+            f"data.eval_path: {path} {what}; give a .json, .jsonl or .parquet file of held-out "
+            "examples (null: none)"
+        )
+    held = mathdata.load_examples(dataclasses.replace(cfg, path=str(path), max_examples=0))
+    return _examples(list(held), f"{path}, data.eval_path")
+
+
+def describe_held(held: list[Example]) -> str:
+    """Where the held-out examples came from (or why there are none), for the start-up line."""
+    return getattr(held, "source", "")
 
 
 def describe_source(cfg: DataConfig, examples: list[Example]) -> str:

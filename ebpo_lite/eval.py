@@ -23,6 +23,14 @@ with math-verify's extracted string. Each record keeps the extraction method of 
 (`extraction`: boxed / gsm8k_marker / math_verify / none); the summary reports their shares
 (`extraction/boxed`, ...) and the results JSON names the rule (`settings.extraction`).
 
+Your own data: `--benchmark FILE.jsonl` (any `.json` / `.jsonl` / `.parquet` file) reads the file
+with the run's data mapping (`data.preset`, `data.prompt_field`, ...), and `--benchmark held-out`
+(the default for a run folder) is the run's own held-out examples (`data.load_train_eval`: the tiny
+task's for a tiny run). Both are scored with the run's first reward function, as the in-training
+eval scores them (`eval/accuracy`): a user's `module:function` too; pass@1 counts scores of 1.0,
+and `mean_reward` is the mean score. Prompts take the run's `data.prompt_format`. A model that is
+not a run folder is evaluated on math500 by default.
+
 Sampling defaults (CLI): k = 1 is greedy (temperature 0); k > 1 samples at temperature 0.6 with
 top-p 0.95 (DeepSeek-R1's and the EBPO paper's evaluation setting). Prompts go through the chat
 template with the run's `data.system_prompt` / `data.thinking` and are never truncated by the CLI.
@@ -53,6 +61,8 @@ if TYPE_CHECKING:
     from ebpo_lite.data import Example
 
 ARITHMETIC_EVAL_SIZE = 256  # the `arithmetic` benchmark: the tiny task's held-out problems
+HELD_OUT = "held-out"  # the run's own held-out examples, as a benchmark name
+DATA_SUFFIXES = (".json", ".jsonl", ".ndjson", ".parquet")
 MAX_STORED_ANSWER = 200  # characters of each extracted answer kept in the partial file
 
 
@@ -147,6 +157,8 @@ def summarize(records: Sequence[dict[str, Any]], k: int) -> dict[str, float]:
     out["mean_length"] = sum(sum(r["lengths"]) / len(r["lengths"]) for r in records) / n
     out["truncated_frac"] = sum(r["truncated"] / r["k"] for r in records) / n
     out["unscored"] = sum(r["unscored"] for r in records)
+    if all("mean_reward" in r for r in records):  # own data, scored by the run's reward
+        out["mean_reward"] = sum(r["mean_reward"] for r in records) / n
     methods = [m for r in records for m in r.get("extraction") or ()]
     out.update({f"extraction/{m}": v for m, v in extraction_shares(methods).items()})
     return out
@@ -161,8 +173,36 @@ def mean_over_benchmarks(per_bench: dict[str, dict[str, float]]) -> dict[str, fl
 # ----------------------------------------------------------------------------- problems and scoring
 
 
+def is_own_data(name: str) -> bool:
+    """True for `held-out` and a data file: examples scored by the run's reward function."""
+    return name == HELD_OUT or Path(name).suffix.lower() in DATA_SUFFIXES
+
+
+def prompt_raw(name: str) -> bool | None:
+    """`encode_prompt`'s `raw` for a benchmark: the tiny task's text as is, math through the chat
+    template, own data as the run's `data.prompt_format` says (None)."""
+    return None if is_own_data(name) else name == "arithmetic"
+
+
 def benchmark_examples(name: str, dcfg: DataConfig | None = None) -> list[Example]:
-    """`arithmetic` (the tiny task's held-out problems) or a `mathdata` benchmark."""
+    """`arithmetic` (the tiny task's held-out problems), `held-out` (the run's), a data file
+    (read with the run's mapping) or a `mathdata` benchmark."""
+    if is_own_data(name):
+        from ebpo_lite import config, data, mathdata
+
+        dcfg = dcfg if dcfg is not None else config.DataConfig()
+        if name == HELD_OUT:
+            held = data.load_train_eval(dataclasses.replace(dcfg, labels_path=None))[1]
+            if not held:
+                raise UserError(
+                    f"--benchmark: the run holds no examples out ({data.describe_held(held)}); "
+                    "name a file (--benchmark FILE.jsonl) or a benchmark (arithmetic, math500, ...)"
+                )
+            return held
+        if not Path(name).is_file():
+            raise UserError(f"--benchmark: {name}: file not found")
+        one = dataclasses.replace(dcfg, path=name, max_examples=0, eval_path=None)
+        return mathdata.load_examples(one)
     if name == "arithmetic":
         from ebpo_lite.data import arithmetic_examples
 
@@ -174,15 +214,27 @@ def benchmark_examples(name: str, dcfg: DataConfig | None = None) -> list[Exampl
 
 
 def score(
-    bench: str, texts: list[str], golds: list[str], timeout_s: float
+    bench: str,
+    texts: list[str],
+    golds: list[str],
+    timeout_s: float,
+    reward: Callable | None = None,
+    columns: dict[str, list] | None = None,
 ) -> tuple[list[float | None], list[str | None], list[str] | None]:
-    """(score, extracted answer) per completion, and the extraction methods (None: arithmetic)."""
+    """(score, extracted answer) per completion, and the extraction methods (None: arithmetic).
+
+    `reward` (own data: the run's first reward function) scores instead of the benchmark's rule;
+    a user's function gets `columns` (`rewards.reward_columns`) and votes with the whole text.
+    """
     from ebpo_lite import rewards
 
-    if bench == "arithmetic":
+    if reward is rewards.arithmetic_answer or reward is None and bench == "arithmetic":
         return rewards.arithmetic_answer(texts, golds), [t.strip() or None for t in texts], None
-    j = rewards.judge_math(texts, golds, timeout_s=timeout_s)
-    return j.scores, j.answers, j.methods
+    if reward is None or reward is rewards.math_answer:
+        j = rewards.judge_math(texts, golds, timeout_s=timeout_s)
+        return j.scores, j.answers, j.methods
+    scores = reward(completions=texts, timeout_s=timeout_s, **(columns or {}))
+    return list(scores), [t.strip() or None for t in texts], None
 
 
 def eval_examples(
@@ -197,16 +249,21 @@ def eval_examples(
     temperature: float,
     max_new_tokens: int,
     timeout_s: float,
+    reward: Callable | None = None,
 ) -> list[dict[str, Any]]:
-    """k completions for each of `examples` in one `generate` call: one record per problem."""
+    """k completions for each of `examples` in one `generate` call: one record per problem.
+
+    `reward`: score with this function (own data) instead of the benchmark's rule (`score`)."""
     from ebpo_lite.prompts import prompt_digest
+    from ebpo_lite.rewards import reward_columns
 
     roll = sampler.generate(
         prompts, k, seed=seed, temperature=temperature, max_new_tokens=max_new_tokens
     )
     texts = tokenizer.batch_decode(roll.completion_ids, skip_special_tokens=True)
     golds = [ex.answer for ex in examples for _ in range(k)]
-    scores, answers, methods = score(bench, texts, golds, timeout_s)
+    columns = reward_columns(examples, k) if reward is not None else None
+    scores, answers, methods = score(bench, texts, golds, timeout_s, reward, columns)
     records = []
     for p, (i, ex) in enumerate(zip(indices, examples)):
         rows = range(p * k, (p + 1) * k)
@@ -229,6 +286,9 @@ def eval_examples(
                 "truncated": sum(1 for r in rows if not roll.finished[r]),
             }
         )
+        if reward is not None:
+            kept = [float(v) for v in s if v is not None]
+            records[-1]["mean_reward"] = sum(kept) / len(kept) if kept else 0.0
     return records
 
 
@@ -324,6 +384,11 @@ def _settings(args: argparse.Namespace, cfg: Config, ckpt: Path | None) -> dict[
         "system_prompt": cfg.data.system_prompt,
         "thinking": cfg.data.thinking,
         "extraction": EXTRACTION,  # results scored by another rule are not resumed
+        **(
+            {"reward": list(cfg.reward.functions)}
+            if any(is_own_data(b) for b in args.benchmarks)
+            else {}
+        ),
     }
 
 
@@ -338,8 +403,11 @@ def _done_records(partial: Path, settings: dict[str, Any]) -> dict[tuple[str, in
     return {(r["benchmark"], r["index"]): r for r in rows[1:]}
 
 
-def run_benchmark(args, cfg, policy, sampler, bench: str, partial: Path, done: dict) -> list[dict]:
-    """All records of one benchmark, generating only the problems not yet in `partial`."""
+def run_benchmark(
+    args, cfg, policy, sampler, bench: str, partial: Path, done: dict, reward=None
+) -> list[dict]:
+    """All records of one benchmark, generating only the problems not yet in `partial`;
+    `reward` scores own data (`is_own_data`)."""
     from tqdm import tqdm
 
     from ebpo_lite.prompts import prompt_digest
@@ -357,7 +425,7 @@ def run_benchmark(args, cfg, policy, sampler, bench: str, partial: Path, done: d
         if not idx:
             continue
         exs = [examples[i] for i in idx]
-        raw = bench == "arithmetic"
+        raw = prompt_raw(bench)
         prompts = [
             encode_prompt(policy.tokenizer, ex, cfg.data, raw=raw, truncate=False) for ex in exs
         ]
@@ -373,6 +441,7 @@ def run_benchmark(args, cfg, policy, sampler, bench: str, partial: Path, done: d
             args.temperature,
             args.max_new_tokens,
             cfg.reward.timeout_s,
+            reward if is_own_data(bench) else None,
         )
         append_jsonl(partial, recs)
         done.update({(bench, r["index"]): r for r in recs})
@@ -385,9 +454,7 @@ def _longest_prompt(cfg: Config, tokenizer, benches: list[str], limit: int) -> i
     longest = 1
     for bench in benches:
         for ex in benchmark_examples(bench, cfg.data)[: limit or None]:
-            prompt = encode_prompt(
-                tokenizer, ex, cfg.data, raw=bench == "arithmetic", truncate=False
-            )
+            prompt = encode_prompt(tokenizer, ex, cfg.data, raw=prompt_raw(bench), truncate=False)
             longest = max(longest, len(prompt))
     return longest
 
@@ -402,17 +469,29 @@ def format_table(per_bench: dict[str, dict[str, float]], k: int) -> str:
     return "\n".join(lines)
 
 
-def evaluate(args: argparse.Namespace) -> dict[str, Any]:
-    """The CLI's work: load, generate what is missing, summarise, write JSON, print the table."""
-    benches = [b.strip() for b in args.benchmark.split(",") if b.strip()]
+def _benchmark_names(text: str | None) -> list[str]:
+    """The --benchmark list ([] when not given: `evaluate` picks by target); one line for a name
+    that is neither a benchmark nor a data file."""
+    if text is None:
+        return []
+    benches = [b.strip() for b in text.split(",") if b.strip()]
     if not benches:
         raise UserError("--benchmark: name at least one benchmark")
     from ebpo_lite.presets import BENCHMARKS
 
-    known = ("arithmetic", *BENCHMARKS)
+    known = ("arithmetic", *BENCHMARKS, HELD_OUT)
     for b in benches:
-        if b not in known:
-            raise UserError(f"--benchmark: unknown {b!r} (expected some of {', '.join(known)})")
+        if b not in known and not is_own_data(b):
+            raise UserError(
+                f"--benchmark: unknown {b!r} (expected some of {', '.join(known)}, or a "
+                ".json, .jsonl or .parquet file)"
+            )
+    return benches
+
+
+def evaluate(args: argparse.Namespace) -> dict[str, Any]:
+    """The CLI's work: load, generate what is missing, summarise, write JSON, print the table."""
+    benches = _benchmark_names(args.benchmark)
     for name in ("k", "batch_size"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
@@ -425,6 +504,9 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     if args.out and Path(args.out).is_dir():
         raise UserError(f"--out: {args.out} is a folder; give a JSON file path")
     cfg, run_dir, ckpt = load_target(args.target, args.overrides)
+    if not benches:  # a run: its own held-out data; a model: math500
+        benches = [HELD_OUT] if run_dir is not None else ["math500"]
+    args.benchmarks = benches
     if run_dir is not None and ckpt is None:
         print(f"{run_dir}: no checkpoint yet; evaluating the base model", file=sys.stderr)
     args.temperature = (
@@ -438,6 +520,11 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     out.parent.mkdir(parents=True, exist_ok=True)
     for bench in benches:  # missing data fails (or downloads) before anything is written or loaded
         benchmark_examples(bench, cfg.data)
+    reward = None
+    if any(is_own_data(b) for b in benches):  # the run's first reward, as the in-training eval's
+        from ebpo_lite.run import reward_functions
+
+        reward = reward_functions(cfg)[0][0][1]
     done = _done_records(partial, _settings(args, cfg, ckpt))
     policy = load_policy(cfg, ckpt)
     longest = _longest_prompt(cfg, policy.tokenizer, benches, args.limit)
@@ -456,10 +543,14 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for bench in benches:
             per_bench[bench] = summarize(
-                run_benchmark(args, cfg, policy, sampler, bench, partial, done), args.k
+                run_benchmark(args, cfg, policy, sampler, bench, partial, done, reward), args.k
             )
     finally:
         sampler.close()
+        if reward is not None:
+            from ebpo_lite.rewards import close_contained
+
+            close_contained([reward])
     result = {
         "settings": {**_settings(args, cfg, ckpt), "backend": backend, "limit": args.limit},
         "benchmarks": per_bench,
@@ -481,7 +572,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("target", help="training output_dir, RUN/checkpoints/step_N, model dir or id")
     p.add_argument("overrides", nargs="*", help="section.key=value applied to the config")
-    p.add_argument("--benchmark", default="math500", help="comma list: arithmetic, math500, ...")
+    p.add_argument(
+        "--benchmark",
+        default=None,
+        help="comma list: arithmetic, math500, ..., held-out (the run's own; the default for a "
+        "run), or a .jsonl/.json/.parquet file read with the run's data settings (default for a "
+        "model: math500)",
+    )
     p.add_argument("--k", type=int, default=1, help="samples per problem (default 1)")
     p.add_argument("--temperature", type=float, default=None, help="default 0.6 (k>1) / 0 (k=1)")
     p.add_argument("--top-p", type=float, default=0.95, help="when sampling (default 0.95)")

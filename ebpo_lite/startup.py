@@ -15,8 +15,9 @@ if TYPE_CHECKING:
 
 
 def data_line(cfg: Config, train: list, held: list) -> str:
-    source = data.describe_source(cfg.data, train)
-    return f"data: {len(train)} training prompts from {source}, {len(held)} held out for the eval"
+    source, whence = data.describe_source(cfg.data, train), data.describe_held(held)
+    line = f"data: {len(train)} training prompts from {source}, {len(held)} held out for the eval"
+    return line + (f" ({whence})" if whence else "")
 
 
 def memory_line(cfg: Config) -> str:

@@ -6,8 +6,10 @@ temperature-1 sample is right, from the trainer's forward pass: no sampling nois
 each also per type where the problems carry labels (`eval/accuracy/topic=add`,
 `eval/accuracy/difficulty=2`, ...), and, when `eval.benchmarks` is set, `eval/<bench>/pass@1`, `eval/<bench>/maj@k`, `eval/<bench>/pass@k` with
 `eval.k` samples (`ebpo_lite.eval`'s metrics); `time/eval_s` is the wall time of all of it.
-With a user reward function first, `eval/reward_errors` counts its masked scores (left out of
-`eval/accuracy`, as in training; see `rewards/contained.py`). With `math_answer` first,
+With more than one reward function, `eval/reward` is the mean of their weighted sum (the
+training reward, without `reward.length_penalty`) over the same completions; `eval/accuracy` is
+the first function's alone. With a user reward function first, `eval/reward_errors` counts its
+masked scores (left out of `eval/accuracy`, as in training; see `rewards/contained.py`). With `math_answer` first,
 `eval/extraction/<method>` is the share of held-out completions whose answer came from a box,
 GSM8K's `####`, math-verify's free-text extraction, or nothing (`rewards/judge.py`); benchmarks
 report the same per benchmark (`eval/<bench>/extraction/<method>`).
@@ -38,6 +40,7 @@ from ebpo_lite.eval import (
 )
 from ebpo_lite.rewards import (
     ContainedReward,
+    combine_rewards,
     extraction_shares,
     judge_math,
     math_answer,
@@ -80,6 +83,8 @@ def evaluate_policy(run: Run) -> dict[str, Any]:
             columns = reward_columns(examples)
             scores = fn(completions=texts, timeout_s=cfg.reward.timeout_s, **columns)
         out.update(per_type_means("eval/accuracy", scores, examples))
+        if len(run.reward_fns) > 1:  # the training reward: every function, weighted
+            out["eval/reward"] = _total_reward(run, scores, texts, examples)
         if isinstance(fn, ContainedReward):  # a user function: masked scores are left out
             out["eval/reward_errors"] = take_error_counts([fn])["reward/errors"]
         if is_arithmetic(cfg.data):
@@ -90,6 +95,24 @@ def evaluate_policy(run: Run) -> dict[str, Any]:
     if out:
         out["time/eval_s"] = time.perf_counter() - t0
     return out
+
+
+def _total_reward(run: Run, scores: list, texts: list[str], examples: list) -> float:
+    """Mean over held-out completions of the weighted sum of all reward functions (`scores`: the
+    first one's, already computed); completions any function could not score are left out."""
+    rest, _ = combine_rewards(
+        dict(run.reward_fns[1:]),
+        run.reward_weights[1:],
+        texts,
+        timeout_s=run.cfg.reward.timeout_s,
+        **reward_columns(examples),
+    )
+    first = run.reward_fns[0][1]
+    take_error_counts([f for _, f in run.reward_fns[1:] if f is not first])  # not a step's errors
+    w = run.reward_weights[0]
+    totals = [None if a is None or b is None else w * a + b for a, b in zip(scores, rest)]
+    kept = [t for t in totals if t is not None]
+    return sum(kept) / len(kept) if kept else float("nan")
 
 
 def eval_sampler(run: Run, prompts: list[list[int]], k: int, max_new: int) -> Any:
