@@ -5,12 +5,16 @@ The README is a front page (issue 32: read in five minutes); its longer sections
 - every `section.key` a page names in inline code is a config field;
 - the recipe table's memory column is what `ebpo-lite recipes` computes;
 - every relative link of the README and docs/ resolves: the file exists, and an anchor names a
-  heading of that page (GitHub's slugs).
+  heading of that page (GitHub's slugs);
+- the front page stays under 150 lines; its set-up commands are the ones CI runs; the main
+  command's output it quotes is the measured run's (benchmarks/results/tiny_cpu_run.json) in the
+  trainer's own format.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 
 import pytest
@@ -36,6 +40,7 @@ PAGES = [
     "docs/layout.md",
 ]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
+FRONT_PAGE_MAX_LINES = 150  # issue 32: a README a newcomer reads in five minutes
 
 
 def _fields(section: str) -> set[str]:
@@ -153,3 +158,59 @@ def test_the_link_check_catches_a_broken_link():
     assert broken_links("docs/x.md", "[d](../README.md#no-such)") == [
         "docs/x.md: ../README.md#no-such (no such heading)"
     ]
+
+
+# ----------------------------------------------------------------------------- the front page
+
+
+def _front() -> str:
+    return (REPO / "README.md").read_text()
+
+
+def test_the_front_page_is_short():
+    n = len(_front().splitlines())
+    assert n < FRONT_PAGE_MAX_LINES, f"README.md has {n} lines: move a section into docs/"
+
+
+def _ci_steps() -> set[str]:
+    """.ci/run's commands without comments, and its pip installs without their quiet flags."""
+    out = set()
+    for line in (REPO / ".ci" / "run").read_text().splitlines():
+        line = re.sub(r"\s+#.*$", "", line).strip()
+        if "pip install" in line:
+            line = line.replace(" -q", "").replace(" --no-compile", "")
+        out.add(line)
+    return out
+
+
+def test_the_front_pages_commands_are_what_ci_runs():
+    """The install line's steps and the test command are .ci/run's (it runs the latter verbatim);
+    the install line ends in the main command."""
+    install, tests = re.findall(r"```bash\n(.*?)\n```", _front(), re.S)[:2]
+    steps = install.split(" && ")
+    assert steps[-1] == ".venv/bin/python -m ebpo_lite.train recipes/tiny_cpu.yaml"
+    ci = _ci_steps()
+    assert [s for s in steps[:-1] if s not in ci] == [], (steps, sorted(ci))
+    assert tests == ".venv/bin/python -m pytest -q" and tests in ci
+
+
+def test_the_front_pages_output_is_the_measured_runs():
+    """The quoted closing lines are what `train.learned_lines` prints for seed 0's measured eval."""
+    from ebpo_lite.train import learned_lines
+
+    block = _front().split("## What the main command shows", 1)[1].split("```")[1]
+    run = json.loads((REPO / "benchmarks/results/tiny_cpu_run.json").read_text())
+    summary = run["seeds"][0]["summary"]
+
+    def evals(when: str) -> dict[str, float]:
+        return {f"eval/{k.split('/', 1)[1]}": v for k, v in summary.items() if k.startswith(when)}
+
+    before, after = evals("before/"), evals("after/")
+    expected = [
+        f"eval before step 1: accuracy {before['eval/accuracy']:.3f}, "
+        f"expected_accuracy {before['eval/expected_accuracy']:.3f}",
+        f"done: {summary['steps_done']} steps in",
+        *learned_lines(before, after),
+    ]
+    assert len(expected) >= 6, expected  # greedy, exact, by topic, by difficulty
+    assert [line for line in expected if line not in block] == []
