@@ -66,8 +66,13 @@ class DataConfig:
     max_examples: int = 0  # 0: all
     max_prompt_tokens: int = 1024
     num_train: int = 4500  # arithmetic only: 1,500 per topic (about 11k distinct problems exist)
-    num_eval: int = 256  # arithmetic only: held-out problems
-    seed: int = 1234  # arithmetic only: which problems are generated
+    num_eval: int = 256  # held-out problems: the arithmetic task's; the most eval_size=auto takes
+    seed: int = 1234  # which arithmetic problems are generated; which rows eval_size holds out
+    # held-out rows for the in-training eval (docs/data.md): auto (a preset's test set, else 10%
+    # of the data, at most num_eval, from 10 rows on) | a fraction in (0, 1) | a count | 0 (none)
+    eval_size: str = "auto"
+    eval_path: str | None = None  # a separate held-out file, read as data.path is
+    prompt_format: str = "auto"  # auto (raw for arithmetic, else chat) | chat | raw (as is)
 
 
 @dataclass(frozen=True)
@@ -428,6 +433,10 @@ def validate(cfg: Config) -> None:
     _check(d.max_examples >= 0, "data.max_examples", "must be >= 0")
     _check(d.num_train >= 1, "data.num_train", "must be >= 1")
     _check(d.num_eval >= 0, "data.num_eval", "must be >= 0")
+    from ebpo_lite.data import check_held_out
+
+    check_held_out(d)
+    _one_of(d.prompt_format, ("auto", "chat", "raw"), "data.prompt_format")
     from ebpo_lite.presets import BENCHMARKS, PRESETS
 
     _one_of(d.preset, PRESETS, "data.preset")
