@@ -100,7 +100,10 @@ def resolve(cfg: Config, log: Callable[[str], None] = print) -> str:
     if m.name == "tiny":
         from ebpo_lite.tiny import warm_tiny_model
 
-        return str(warm_tiny_model(m.sft_warmup_steps, m.sft_seed, cfg.data.seed, log))
+        warm = warm_tiny_model(
+            m.sft_warmup_steps, m.sft_seed, cfg.data.seed, log, progress=cfg.log.progress
+        )
+        return str(warm)
     if is_gguf_name(m.name):
         return str(converted(gguf_file(m.name), log))
     return m.name

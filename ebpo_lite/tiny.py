@@ -23,7 +23,9 @@ import hashlib
 import json
 import os
 import string
+import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -101,8 +103,14 @@ def cache_root() -> Path:
     return Path(root)
 
 
-def warm_tiny_model(steps: int, seed: int, data_seed: int, log=print) -> Path:
-    """Return a folder holding the tiny model after `steps` of supervised warm-up (cached)."""
+def warm_tiny_model(
+    steps: int, seed: int, data_seed: int, log=print, progress: str = "lines"
+) -> Path:
+    """Return a folder holding the tiny model after `steps` of supervised warm-up (cached).
+
+    `progress` (`log.progress`'s values) shows a cache miss's warm-up as it runs: a tqdm bar
+    (`bar`, or `auto` on a terminal), a line through `log` every tenth of the steps (`lines`,
+    `auto` elsewhere), or only its first and last lines (`none`)."""
     out = warm_cache_dir(steps, seed, data_seed)
     if _is_saved(out):
         return out
@@ -116,7 +124,7 @@ def warm_tiny_model(steps: int, seed: int, data_seed: int, log=print) -> Path:
     ):
         if _is_saved(out):  # saved by the process we waited for
             return out
-        return _warm_and_save(out, steps, seed, data_seed, log)
+        return _warm_and_save(out, steps, seed, data_seed, log, progress)
 
 
 def warm_cache_dir(steps: int, seed: int, data_seed: int) -> Path:
@@ -149,7 +157,7 @@ def exclusive(lock: Path, log, busy: str):
         yield  # closing the file releases the lock
 
 
-def _warm_and_save(out: Path, steps: int, seed: int, data_seed: int, log) -> Path:
+def _warm_and_save(out: Path, steps: int, seed: int, data_seed: int, log, progress: str) -> Path:
     from ebpo_lite.data import arithmetic_examples
 
     tokenizer = build_tokenizer()
@@ -157,7 +165,11 @@ def _warm_and_save(out: Path, steps: int, seed: int, data_seed: int, log) -> Pat
     if steps > 0:
         t0 = time.perf_counter()
         train = arithmetic_examples(4500, seed=data_seed, split="train")
-        acc = supervised_warmup(model, tokenizer, train, steps=steps, seed=seed, slip=WARMUP_SLIP)
+        log(f"tiny model: supervised warm-up, {steps} steps (once; then cached)")
+        with warmup_progress(steps, progress, log) as tick:
+            acc = supervised_warmup(
+                model, tokenizer, train, steps=steps, seed=seed, slip=WARMUP_SLIP, on_step=tick
+            )
         log(
             f"tiny model: supervised warm-up {steps} steps in {time.perf_counter() - t0:.0f}s "
             f"(train-batch token accuracy {acc:.2f}); cached at {out}"
@@ -184,11 +196,13 @@ def supervised_warmup(
     batch: int = 64,
     lr: float = 3e-3,
     slip: float = 0.0,
+    on_step: Callable[[int], None] | None = None,
 ) -> float:
     """Teacher-forced cross-entropy on the answer tokens (+ EOS); returns last token accuracy.
 
     With `slip > 0`, each time a problem is drawn its target is `meta["slip"]` (the answer with
     the carries dropped) with probability `slip`, so the model learns that slip as a habit.
+    `on_step(n)` is called after the n-th step (progress display).
     """
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -204,7 +218,7 @@ def supervised_warmup(
     ]
     model.train()
     acc = 0.0
-    for _ in range(steps):
+    for n in range(1, steps + 1):
         idx = torch.randint(len(examples), (batch,), generator=gen).tolist()
         slipped = (torch.rand(batch, generator=gen) < slip).tolist()
         prompts = [all_prompts[i] for i in idx]
@@ -223,8 +237,33 @@ def supervised_warmup(
         with torch.no_grad():
             mask = target != -100
             acc = (logits.argmax(-1)[mask] == target[mask]).float().mean().item()
+        if on_step is not None:
+            on_step(n)
     model.eval()
     return acc
+
+
+@contextlib.contextmanager
+def warmup_progress(steps: int, mode: str, log) -> Iterator[Callable[[int], None]]:
+    """The warm-up's `on_step`: a bar, lines every tenth of `steps`, or nothing (see
+    `warm_tiny_model`); `auto` is a bar on a terminal, as `metrics.Metrics` decides."""
+    if mode == "auto":
+        mode = "bar" if sys.stdout.isatty() else "lines"
+    if mode == "bar":
+        from tqdm.auto import tqdm
+
+        with tqdm(total=steps, desc="tiny warm-up", dynamic_ncols=True) as bar:
+            yield lambda n: bar.update(n - bar.n)
+        return
+    every, t0 = max(1, steps // 10), time.perf_counter()
+
+    def line(n: int) -> None:
+        if mode == "lines" and n % every == 0 and n < steps:
+            spent = time.perf_counter() - t0
+            left = spent / n * (steps - n)
+            log(f"tiny model: warm-up step {n}/{steps}, {spent:.0f}s, about {left:.0f}s left")
+
+    yield line
 
 
 def _pack(prompts: list[list[int]], answers: list[list[int]], pad_id: int):

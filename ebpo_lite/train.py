@@ -2,7 +2,8 @@
 
 One step: sample prompts from the curriculum -> G completions each through the sampler ->
 rewards -> advantages (grpo / dr_grpo / rloo / ebpo) -> clipped-surrogate loss over micro-batches
--> optimizer step -> push the adapter to the sampler -> metrics -> maybe eval -> maybe checkpoint.
+-> optimizer step -> push the adapter to the sampler -> metrics, sample completions and warnings
+(samples.py) -> maybe eval -> maybe checkpoint.
 
 Simplifications, stated: one process, one policy; generation and training alternate (never
 overlap); the reference policy for the KL term is the adapter-disabled base; a group's completions
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ebpo_lite import checkpoint, cli, config, faults, rewards
+from ebpo_lite import checkpoint, cli, config, faults, rewards, samples
 from ebpo_lite.advantages import frac_zero_std_groups
 from ebpo_lite.device import StepMemory
 from ebpo_lite.jsonl import write_atomic
@@ -29,8 +30,9 @@ from ebpo_lite.run import Run, build_run
 from ebpo_lite.train_eval import evaluate_policy
 
 
-def train_step(run: Run, step: int) -> dict[str, Any]:
-    """One RL step, top to bottom. Returns the step's metrics."""
+def train_step(run: Run, step: int, watch: samples.Watch | None = None) -> dict[str, Any]:
+    """One RL step, top to bottom. Returns the step's metrics; `watch` shows what the model
+    wrote (samples.py)."""
     policy, G = run.policy, run.cfg.rollout.group_size
     # 1. sample prompts and G completions each (prompt-major rows: i * G + g); the curriculum
     #    sees every drawn group, dynamic sampling keeps the informative ones
@@ -67,6 +69,8 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     lengths = torch.tensor([len(c) for c in rollout.completion_ids], dtype=torch.float)
     drawn, drawn_mask = sample.drawn_rewards, sample.drawn_mask  # [B_drawn, G]
     valid = drawn[drawn_mask]
+    if watch is not None:  # what the model wrote: printed, written, warned about (samples.py)
+        watch.observe(step, run, sample, adv)
     return {
         "train/reward_mean": valid.mean().item() if valid.numel() else float("nan"),
         "train/reward_std": valid.std().item() if valid.numel() > 1 else 0.0,
@@ -104,6 +108,7 @@ def train(cfg: config.Config) -> dict[str, Any]:
         cfg.log.wandb_project,
         config.to_dict(cfg),
     )
+    watch = samples.Watch(cfg, start, samples.printer(metrics))
     stop = _StopFlag()
     t_start = time.perf_counter()
     first_eval = last_eval = None
@@ -131,7 +136,7 @@ def train(cfg: config.Config) -> dict[str, Any]:
         while step < cfg.train.steps:
             step += 1
             try:
-                record = train_step(run, step)
+                record = train_step(run, step, watch)
                 skips.good()
                 record["train/skipped_steps"] = skips.total
             except StopIteration:  # a one-pass curriculum ran out of prompts
