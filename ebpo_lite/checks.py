@@ -16,8 +16,10 @@ what to do (`errors.py`). What is checked:
   0.1-2.4 s, 1 thread was steady), the packages `rollout.backend=vllm`, `model.load_in_4bit`,
   `log.wandb` and `log.tensorboard` need.
 - `model.name`: `tiny`, `smollm2` (its package installed) or a `.gguf` file that exists
-  (`base_model`), a local folder holding `config.json`, or a valid hub id (in the local cache
-  when HF_HUB_OFFLINE is set): never a download attempt for a mistyped path.
+  (`base_model`), a local folder holding `config.json`, or a valid hub id: in the local cache,
+  else (unless HF_HUB_OFFLINE is set) one question to the hub, within HUB_TIMEOUT_S, that its
+  config.json is there (`hub_model`): never a download attempt for a mistyped path or id, and
+  never a minute of retries without a network.
 - `data.labels_path`: the file exists (or is `auto`); if not, the line is the command that
   writes it (`labels.check_path`).
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -239,6 +242,9 @@ def loggers(cfg: Config) -> None:
 # ----------------------------------------------------------------------------- model.name
 
 
+HUB_TIMEOUT_S = 5.0  # the hub's one answer about a model id: DNS, connect and reply
+
+
 def hub_offline() -> bool:
     """Whether Hugging Face downloads are switched off (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE)."""
     flags = (
@@ -286,12 +292,76 @@ def model_name(name: str) -> None:
             f"model.name: {name!r} is neither a local folder nor a hub id; give owner/name "
             "(e.g. Qwen/Qwen3-0.6B), a local model folder, or tiny"
         ) from None
-    if hub_offline():
-        from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub import try_to_load_from_cache
 
-        if not isinstance(try_to_load_from_cache(name, "config.json"), str):
-            raise ConfigError(
-                f"model.name: {name} is not in the local Hugging Face cache and downloads are "
-                "off (HF_HUB_OFFLINE=1); download it once with HF_HUB_OFFLINE unset, or give a "
-                "local model folder"
-            )
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return
+    if hub_offline():
+        raise ConfigError(
+            f"model.name: {name} is not in the local Hugging Face cache and downloads are "
+            "off (HF_HUB_OFFLINE=1); download it once with HF_HUB_OFFLINE unset, or give a "
+            "local model folder"
+        )
+    hub_model(name)
+
+
+def _hub_probe(name: str, timeout: float) -> BaseException | None:
+    """One HEAD of `name`'s config.json at HF_ENDPOINT, no retries: None when it is there, else
+    the error. Bounded by a thread join, since a socket timeout does not bound a DNS lookup."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+
+    said: list[BaseException | None] = []
+
+    def ask() -> None:
+        try:
+            get_hf_file_metadata(hf_hub_url(name, "config.json"), timeout=timeout)
+            said.append(None)
+        except Exception as e:  # every failure is an answer, sorted by hub_model
+            said.append(e)
+
+    thread = threading.Thread(target=ask, daemon=True)
+    thread.start()
+    thread.join(timeout + 0.5)
+    return said[0] if said else TimeoutError(f"no answer in {timeout:g} s")
+
+
+def hub_model(name: str, timeout: float = HUB_TIMEOUT_S) -> None:
+    """A hub id not in the local cache: ask the hub once (`_hub_probe`) whether it has the model,
+    so that a mistyped id, a gated model or no network is one line in seconds, before the output
+    folder is made (transformers' download retries a failed connection 5 times, 1-8 s apart,
+    per file: about a minute). A server error (5xx, 429) passes: the download retries those."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        HfHubHTTPError,
+        RepositoryNotFoundError,
+    )
+
+    e, hub = _hub_probe(name, timeout), constants.ENDPOINT
+    if e is None:
+        return
+    if isinstance(e, GatedRepoError):
+        raise ConfigError(
+            f"model.name: {name} is gated on the hub; accept its terms at {hub}/{name} and log "
+            "in (hf auth login, or set HF_TOKEN)"
+        )
+    if isinstance(e, RepositoryNotFoundError):
+        raise ConfigError(
+            f"model.name: {name}: no such model on the hub ({hub}), or a private one; check the "
+            "spelling (owner/name, as on its hub page), log in for a private model, or give a "
+            "local model folder"
+        )
+    if isinstance(e, EntryNotFoundError):
+        raise ConfigError(
+            f"model.name: {name} has no config.json on the hub, so transformers cannot load it; "
+            "give a transformers model (owner/name), a .gguf file, or a local model folder"
+        )
+    if isinstance(e, HfHubHTTPError):
+        return
+    why = (str(e).splitlines() or [""])[0][:80]
+    raise ConfigError(
+        f"model.name: {name} is not in the local Hugging Face cache and the hub ({hub}) cannot "
+        f"be reached ({type(e).__name__}: {why}); connect to the network, or give a local model "
+        "folder (a cached model also runs with HF_HUB_OFFLINE=1)"
+    )

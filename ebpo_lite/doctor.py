@@ -170,7 +170,7 @@ def _try(problems: list[str], fn, *args) -> None:
             problems.append(str(e))
 
 
-def problems_of(cfg: Config, s: stack.Stack, hub: str) -> list[str]:
+def problems_of(cfg: Config, s: stack.Stack) -> list[str]:
     """Every check `checks.before_load` makes, and every stack refusal, as lines."""
     from ebpo_lite import checks, labels
     from ebpo_lite.device import resolve_device
@@ -189,15 +189,7 @@ def problems_of(cfg: Config, s: stack.Stack, hub: str) -> list[str]:
         _try(found, check_importable)
     _try(found, checks.loggers, cfg)
     _try(found, checks.model_name, cfg.model.name)
-    _try(found, labels.check_path, cfg)
-    if stack.is_hub_id(cfg.model.name) and hub.startswith("unreachable"):
-        from huggingface_hub import try_to_load_from_cache
-
-        if not isinstance(try_to_load_from_cache(cfg.model.name, "config.json"), str):
-            found.append(
-                f"model.name: {cfg.model.name} is not in the local Hugging Face cache and the "
-                "hub does not answer; connect, or give a local model folder"
-            )
+    _try(found, labels.check_path, cfg)  # an uncached hub id without the hub: model_name says so
     return found
 
 
@@ -220,7 +212,7 @@ def report(recipe: str | None, overrides: list[str], gpu: str | None) -> tuple[l
         return out, 0
     info = catalog.recipe_info(catalog.recipe_path(recipe))
     line, plan_problem = plan_line(cfg, gpu, info.plan_gpu)
-    found = problems_of(cfg, s, hub) + ([plan_problem] if plan_problem else [])
+    found = problems_of(cfg, s) + ([plan_problem] if plan_problem else [])
     out += [f"recipe {recipe}", f"  {line}"]
     if not found:
         return [*out, "verdict: can run here"], 0

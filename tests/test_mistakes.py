@@ -82,6 +82,23 @@ def _offline(tmp: Path, mp: pytest.MonkeyPatch) -> None:
             pass
 
 
+def set_hub_endpoint(mp: pytest.MonkeyPatch, url: str) -> None:
+    """HF_ENDPOINT as huggingface_hub reads it at import: the endpoint and the file URL template."""
+    mp.setattr("huggingface_hub.constants.ENDPOINT", url)
+    template = url + "/{repo_id}/resolve/{revision}/{filename}"
+    mp.setattr("huggingface_hub.constants.HUGGINGFACE_CO_URL_TEMPLATE", template)
+
+
+def unreachable_hub(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+    """Downloads on, but no hub answers: HF_ENDPOINT at a closed local port (refused at once, as
+    a machine without a route is)."""
+    mp.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    set_hub_endpoint(mp, "http://127.0.0.1:9")
+    for flag in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        mp.delenv(flag, raising=False)
+    mp.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+
+
 def _no_shared_data(tmp: Path, mp: pytest.MonkeyPatch) -> None:
     (tmp / "nodata").mkdir()
     mp.setenv("EBPO_LITE_DATA", str(tmp / "nodata"))
@@ -198,6 +215,7 @@ MISTAKES = [
     Mistake("model_path_is_a_file", (R, "model.name={tmp}/model.bin"), "model.bin is a file", "holds config.json", _file("model.bin")),
     Mistake("model_name_invalid", (R, "model.name=not@a@model"), "not@a@model", "give owner/name"),
     Mistake("model_hub_id_offline", (R, "model.name=nobody/no-such-model"), "nobody/no-such-model", "HF_HUB_OFFLINE", _offline),
+    Mistake("model_hub_id_no_network", (R, "model.name=nobody/no-such-model"), "model.name: nobody/no-such-model", "connect to the network", unreachable_hub),
     # output directories
     Mistake("output_dir_not_writable", (R, "output_dir=/proc/ebpo_lite_forbidden/run"), "/proc/ebpo_lite_forbidden/run", "pick a folder you can write to"),
     Mistake("output_dir_is_a_file", (R, "output_dir={tmp}/taken"), "{tmp}/taken is a file", "pick another output_dir", _file("taken")),
