@@ -130,6 +130,18 @@ def test_committed_outputs_hold_no_local_path(name):
     assert not found, f"{name}: committed outputs name local paths {found}"
 
 
+WARNING = re.compile(r"\b\w*Warning: ")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_committed_outputs_hold_no_library_warning(name):
+    """A reader's first output was tqdm's 'TqdmWarning: IProgress not found' (issue 32 part 4),
+    which `cli.quiet_libraries` now silences: no committed output is a library's warning."""
+    found = [t.strip()[:80] for t in _output_texts(_read(name)) if WARNING.search(t)]
+    assert not found, f"{name}: committed outputs hold warnings {found}"
+    assert WARNING.search("tqdm/auto.py:21: TqdmWarning: IProgress not found")  # the check works
+
+
 def test_the_path_check_catches_a_warning_line():
     line = "/home/u/.venv/lib/python3.11/site-packages/tqdm/auto.py:21: TqdmWarning: IProgress"
     assert LOCAL_PATH.search(line) and LOCAL_PATH.search("run: /tmp/x")
