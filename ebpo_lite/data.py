@@ -16,8 +16,10 @@ sources:
 Held-out examples for the in-training eval (`load_train_eval`, docs/data.md): the arithmetic
 task's own eval split; a preset's test set (gsm8k -> GSM8K test, ...); a separate file
 (`data.eval_path`); or rows split off the training data (`data.eval_size`: a fraction or a count,
-drawn with `data.seed`; by default 10% from 10 rows on, at most `data.num_eval`). A training row
-whose prompt text is also a held-out prompt is dropped, so the two never share a question.
+drawn with `data.seed`; by default 10% from 10 rows on, at most `data.num_eval`, of a user's data:
+a file, or a hub dataset that is not a preset's; a preset without a test set, such as math500 or
+dapo_math, holds nothing out unless asked). A training row whose prompt text is also a held-out
+prompt is dropped, so the two never share a question.
 """
 
 from __future__ import annotations
@@ -297,6 +299,15 @@ def check_held_out(cfg: DataConfig) -> None:
         raise ConfigError("data.eval_path: must not be empty (null: none)")
 
 
+def is_preset(cfg: DataConfig) -> bool:
+    """A preset or a preset's hub dataset, not a file (`data.path`) or a hub dataset of one's own."""
+    from ebpo_lite.presets import HUB, LOCAL_FILES
+
+    repos = {repo for repo, _, _ in HUB.values()}
+    name = cfg.name.partition(":")[0]
+    return not cfg.path and (cfg.name in LOCAL_FILES or cfg.name in HUB or name in repos)
+
+
 def _examples(items: list[Example], like: list | str) -> Examples:
     """`items` as Examples whose `source` is `like` (a string, or another list's source)."""
     out = Examples(items)
@@ -315,6 +326,11 @@ def _held_out(cfg: DataConfig, rows: list[Example]) -> tuple[Examples, Examples]
         test = mathdata.load_eval_examples(cfg)
         if test:
             return _examples(rows, rows), _examples(test, f"the preset's test set, {test.source}")
+        if is_preset(cfg):  # its rows stay as they were: a benchmark, or a paper's training set
+            why = (
+                f"{cfg.name} has no test set here; data.eval_size or data.eval_path holds some out"
+            )
+            return _examples(rows, rows), _examples([], why)
     n = len(rows)
     if size is None and n < AUTO_MIN_ROWS:
         why = (

@@ -94,6 +94,12 @@ def test_a_preset_keeps_its_test_set():
         config.load(TINY_RECIPE, ["data.name=gsm8k", "data.eval_size=50"]).data
     )
     assert len(tr) == 7423 and len(held) == 50  # asked for: split off the training data
+    # a preset without a test set (a benchmark, a paper's training set) holds nothing out unless
+    # asked: its training rows stay as they were
+    cfg = config.load(TINY_RECIPE, ["data.name=math500"])
+    tr, held = data.load_train_eval(cfg.data)
+    assert len(tr) == 500 and not held
+    assert "(math500 has no test set here; data.eval_size" in startup.data_line(cfg, tr, held)
 
 
 @pytest.mark.parametrize(
