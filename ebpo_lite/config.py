@@ -22,6 +22,7 @@ import yaml
 
 from ebpo_lite.catalog import recipe_path
 from ebpo_lite.errors import ConfigError
+from ebpo_lite.loss_keys import check_loss_keys
 
 ESTIMATORS = ("grpo", "dr_grpo", "rloo", "ebpo")
 SAMPLERS = ("shuffle", "topic", "difficulty", "adaptive")
@@ -111,11 +112,28 @@ class AlgoConfig:
     leave_one_out: bool = False  # ebpo: each completion's baseline leaves its own reward out
     prompt_prior: bool = False  # ebpo: shrink toward the prompt's posterior from earlier visits
     prompt_capacity: int = 200_000  # prompt_prior: most prompts remembered (about 250 B each)
-    # loss
+    # loss (docs/losses.md); keys named as TRL 1.16's GRPOConfig where the meaning is the same
+    # loss_type null: the clipped loss aggregated as loss_agg says (token_mean = dapo,
+    # seq_mean = grpo, token_sum_norm = dr_grpo); set, it picks the loss and its aggregation
+    loss_type: str | None = None  # grpo | dr_grpo | dapo | bnpo | cispo | sapo | luspo | vespo
     clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.2
+    clip_eps_high: float = 0.2  # cispo: the ratio's cap is 1 + clip_eps_high
     loss_agg: str = "token_mean"  # token_mean | seq_mean | token_sum_norm (Dr. GRPO's)
+    importance_sampling_level: str = "token"  # token | sequence (GSPO's sequence ratio)
+    delta: float | None = None  # clipped losses: also cap the ratio at delta (two-sided clip)
+    # DAPO's overlong filtering: completions with no stop token leave the loss; the EB prior,
+    # the advantages and the curriculum still count their rewards
+    mask_truncated_completions: bool = False
+    top_entropy_quantile: float = 1.0  # train on the top q of tokens by entropy only (1: all)
+    sapo_temperature_pos: float = 1.0  # sapo: gate temperature where A > 0
+    sapo_temperature_neg: float = 1.05  # sapo: gate temperature where A <= 0
+    vespo_k_pos: float = 2.0  # vespo: gamma weight's power, A >= 0
+    vespo_lambda_pos: float = 3.0  # vespo: gamma weight's decay, A >= 0
+    vespo_k_neg: float = 3.0  # vespo: power, A < 0
+    vespo_lambda_neg: float = 2.0  # vespo: decay, A < 0
     kl_coef: float = 0.0  # k3 KL to the adapter-disabled base
+    kl_estimator: str = "k3"  # k1 | k2 | k3 (Schulman's estimators)
+    use_bias_correction_kl: bool = False  # times each token's ratio (TRL's default is true)
     num_iterations: int = 1  # optimisation passes over one rollout batch
     is_correction: str = "token"  # none | token | sequence: sampler/trainer mismatch correction
     is_cap: float = 2.0  # truncation of the importance ratio
@@ -479,6 +497,7 @@ def validate(cfg: Config) -> None:
         "algo.estimator=dr_grpo is the advantage",
     )
     _one_of(a.loss_agg, ("token_mean", "seq_mean", "token_sum_norm"), "algo.loss_agg")
+    check_loss_keys(a)
     _check(a.kl_coef >= 0, "algo.kl_coef", f"must be >= 0, got {a.kl_coef}")
     _check(a.num_iterations >= 1, "algo.num_iterations", "must be >= 1")
     _one_of(a.is_correction, ("none", "token", "sequence"), "algo.is_correction")

@@ -33,6 +33,7 @@ from ebpo_lite import (
 from ebpo_lite.advantages import EBPrior, compute_advantages
 from ebpo_lite.errors import ConfigError, UserError
 from ebpo_lite.jsonl import write_atomic
+from ebpo_lite.loss_keys import AGGREGATION, loss_options, loss_type_of
 from ebpo_lite.policy import Policy, completion_logprobs, dropout_in_training
 from ebpo_lite.rollout import Rollout, RolloutBackend, make_backend
 from ebpo_lite.scaler import LossScaler
@@ -247,7 +248,8 @@ class Run:
         log-prob, stored in `fixed` for later passes.
         """
         cfg, a, policy = self.cfg, self.cfg.algo, self.policy
-        mini_tokens = sum(len(roll.completion_ids[i]) for i in mini) or 1
+        kind = loss_type_of(a)  # the loss menu (docs/losses.md)
+        mini_tokens = self._loss_tokens(mini, roll) or 1
         self.optimizer.zero_grad(set_to_none=True)
         for c in self._chunks(mini, prompts, roll):
             b = policy.batch([prompts[i] for i in c], [roll.completion_ids[i] for i in c])
@@ -260,24 +262,35 @@ class Run:
             slp = None  # the sampler's log-probs: mismatch metrics always, correction if asked
             if roll.sampler_logprobs is not None:
                 slp = _pad([roll.sampler_logprobs[i] for i in c], width).to(logp.device)
+            mask = b.completion_mask  # [n, C]
+            if a.mask_truncated_completions:  # DAPO's overlong filter: out of the loss only
+                mask = loss.drop_truncated(mask, [roll.finished[i] for i in c])
             lval, st = loss.policy_loss(
                 logp,
                 old,
                 adv[c].to(logp.device),
-                b.completion_mask,
+                mask,
+                loss_type=kind,
                 clip_eps_low=a.clip_eps_low,
                 clip_eps_high=a.clip_eps_high,
-                agg=a.loss_agg,
+                importance_sampling_level=a.importance_sampling_level,
+                options=loss_options(a),
+                entropy=entropy,
+                top_entropy_quantile=a.top_entropy_quantile,
                 ref_logp=ref,
                 kl_coef=a.kl_coef,
+                kl_estimator=a.kl_estimator,
+                use_bias_correction_kl=a.use_bias_correction_kl,
                 sampler_logp=slp,
                 is_correction=a.is_correction if slp is not None else "none",
                 is_cap=a.is_cap,
                 max_tokens=cfg.rollout.max_new_tokens,
                 sync_stats=False,
             )
-            tokens = sum(len(roll.completion_ids[i]) for i in c)  # = the mask's sum, no sync
-            share = loss.microbatch_weight(a.loss_agg, tokens, len(c), mini_tokens, len(mini))
+            tokens = self._loss_tokens(c, roll)  # = the mask's sum, no sync
+            share = loss.microbatch_weight(
+                AGGREGATION[kind], tokens, len(c), mini_tokens, len(mini)
+            )
             self.scaler.scale_loss(lval * share).backward()  # float16: times the loss scale
             st["entropy"] = loss.masked_mean(entropy, b.completion_mask)
             _accumulate(stats, st, share * weight)
@@ -290,6 +303,12 @@ class Run:
         faults.check_update(stats.get("loss", norm), norm, self.scaler)
         self.optimizer.step()
         return norm
+
+    def _loss_tokens(self, rows: list[int], roll: Rollout) -> int:
+        """Completion tokens of `rows` in the loss: all, less the truncated completions' with
+        `algo.mask_truncated_completions`."""
+        drop = self.cfg.algo.mask_truncated_completions
+        return sum(len(roll.completion_ids[i]) for i in rows if roll.finished[i] or not drop)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, step: int, extra: dict | None = None) -> Path:
