@@ -18,7 +18,7 @@ from ebpo_lite import config, samples
 from ebpo_lite.errors import ConfigError
 from ebpo_lite.samples import FLAT_STEPS, Context, Signals, Streak
 from ebpo_lite.train import train
-from tests.conftest import TINY_RECIPE, fast_overrides
+from tests.conftest import REPO, TINY_RECIPE, fast_overrides
 
 B, G = 8, 4  # fast_overrides' prompts per step and group size
 
@@ -138,6 +138,25 @@ def test_tiny_warmup_shows_progress_lines(tmp_path, monkeypatch):
         for n in range(1, 11):
             tick(n)
     assert lines == []
+
+
+def test_monitoring_doc_states_the_code_s_numbers():
+    doc = (REPO / "docs" / "monitoring.md").read_text()
+    stated = [
+        f"at most {samples.ROWS_PER_WRITE} rows",
+        f"cut to {samples.ROW_CHARS} characters",
+        f"pass {samples.MAX_FILE_BYTES >> 20} MiB",
+        f"over {FLAT_STEPS} steps in a row",
+        f"absent {FLAT_STEPS} steps in a row",
+        f"cut to {samples.SHOW_CHARS} characters",
+        "more than half" if samples.TRUNCATED_SHARE == 0.5 else "unknown share",
+    ]
+    log = config.LogConfig()
+    stated += [
+        f"| `log.show_completions` | {log.show_completions} |",
+        f"| `log.completions_every` | {log.completions_every} |",
+    ]
+    assert [s for s in stated if s not in " ".join(doc.split())] == []
 
 
 # ----------------------------------------------------------------------------- tiny-model runs
