@@ -157,7 +157,9 @@ def exclusive(lock: Path, log, busy: str):
         yield  # closing the file releases the lock
 
 
-def _warm_and_save(out: Path, steps: int, seed: int, data_seed: int, log, progress: str) -> Path:
+def _warm_and_save(
+    out: Path, steps: int, seed: int, data_seed: int, log, progress: str = "lines"
+) -> Path:
     from ebpo_lite.data import arithmetic_examples
 
     tokenizer = build_tokenizer()
