@@ -24,9 +24,6 @@ REWARDS = '''
 def exact(completions, answer, **kw):
     """1.0 when the completion is the answer, a user's own rule."""
     return [float(c.strip() == a) for c, a in zip(completions, answer)]
-
-def short(completions, **kw):
-    return [0.5 if len(c) <= 4 else 0.0 for c in completions]
 '''
 
 
@@ -152,7 +149,7 @@ def user_run(tmp_path_factory):
     extra = {
         "data.path": path,
         "data.prompt_format": "raw",
-        "reward.functions": "[h1_user_rewards:exact, h1_user_rewards:short]",
+        "reward.functions": "[h1_user_rewards:exact, arithmetic_answer]",  # one worker, not two
         "train.steps": 2,
     }
     printed = io.StringIO()
@@ -184,7 +181,7 @@ def test_eval_cli_scores_a_file_and_the_runs_own_held_out(user_run, tmp_path, ca
     res = json.loads(out.read_text())
     m = res["benchmarks"][str(path)]
     assert m["num_problems"] == 8 and 0.0 <= m["mean_reward"] <= 1.0
-    assert res["settings"]["reward"] == ["h1_user_rewards:exact", "h1_user_rewards:short"]
+    assert res["settings"]["reward"] == ["h1_user_rewards:exact", "arithmetic_answer"]
     out = tmp_path / "h.json"
     assert main([str(run), "--out", str(out)]) == 0  # no --benchmark: the run's held-out rows
     assert json.loads(out.read_text())["benchmarks"][HELD_OUT]["num_problems"] == 5
