@@ -51,7 +51,8 @@ def test_startup_lines_then_steps_and_the_final_eval(tmp_path, capsys):
 
     over = fast_overrides(
         tmp_path, **{"train.steps": 2, "rollout.group_size": 8, "train.prompts_per_step": 16,
-                     "train.lr": 1e-2, "log.progress": "lines"}
+                     "train.lr": 1e-2, "log.progress": "lines",
+                     "log.show_completions": 0}  # its blocks: tests/test_samples.py
     )  # fmt: skip
     summary = train(config.load(TINY_RECIPE, over))
     out = capsys.readouterr().out.splitlines()
