@@ -369,6 +369,8 @@ def build_run(cfg: config.Config, log: Callable[[str], None] = print) -> Run:
         raise UserError("data: no training examples; check data.max_examples and the data file")
     log(startup.data_line(cfg, train_ex, eval_ex))
     train_ex = labels.maybe_topic_labels(cfg, train_ex, log)
+    rewards.check_columns(fns, train_ex, "the training data")  # a column a reward reads
+    rewards.check_columns(fns, eval_ex, "the held-out data")
     key = cfg.algo.prior_key if cfg.algo.estimator == "ebpo" else None
     if key and not (key == "difficulty" and cfg.data.labels_path == labels.AUTO):
         labels.prior_keys(train_ex, key)  # every example has one: else one line, no model load

@@ -54,6 +54,18 @@ def _jsonl(name: str, *rows: str) -> Callable[[Path, pytest.MonkeyPatch], None]:
     return _write(name, "".join(r + "\n" for r in rows))
 
 
+def _module(name: str, source: str) -> Callable[[Path, pytest.MonkeyPatch], None]:
+    """A Python module `name` on sys.path (a user's reward functions)."""
+
+    def setup(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+        (tmp / "py").mkdir(exist_ok=True)
+        (tmp / "py" / f"{name}.py").write_text(source)
+        mp.syspath_prepend(str(tmp / "py"))
+        mp.delitem(sys.modules, name, raising=False)
+
+    return setup
+
+
 def _hide(module: str) -> Callable[[Path, pytest.MonkeyPatch], None]:
     """The machine without `module` installed (an import of it then fails)."""
 
@@ -189,6 +201,7 @@ MISTAKES = [
     Mistake("unknown_reward", (R, "reward.functions=[nope]"), "reward.functions", "expected one of math_answer"),
     Mistake("reward_module_missing", (R, "reward.functions=[no_such_module_x:score]"), "no_such_module_x", "PYTHONPATH"),
     Mistake("reward_function_missing", (R, "reward.functions=[os:no_such_fn]"), "no_such_fn", "name a function"),
+    Mistake("reward_reads_a_missing_column", (R, "data.path={tmp}/d.jsonl", "reward.functions=[mistake_rewards:by_source]"), "reward.functions: mistake_rewards:by_source reads 'source'", "add the field to every row", _both(_jsonl("d.jsonl", '{"problem": "1+1?", "answer": "2", "level": 1}'), _module("mistake_rewards", "def by_source(completions, source, **columns):\n    return [0.0] * len(completions)\n"))),
     # data files
     Mistake("data_file_missing", (R, "data.path={tmp}/missing.jsonl"), "missing.jsonl: data file not found", "check data.path"),
     Mistake("data_path_is_a_folder", (R, "data.path={tmp}"), "is a folder", "set data.path to a .json"),

@@ -161,3 +161,61 @@ def test_a_cached_model_is_not_asked_about(monkeypatch, tmp_path):
 def test_a_local_folder_that_does_not_exist_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match=f"^model.name: {tmp_path}/nope: no such folder"):
         checks.model_name(str(tmp_path / "nope"))
+
+
+# ----------------------------------------------------------------------------- columns a reward reads
+
+REWARDS = """
+def by_level(completions, level, **columns):
+    return [float(x) for x in level]
+
+def by_source(completions, source, **columns):
+    return [0.0] * len(completions)
+
+def with_default(completions, source=None, **columns):
+    return [0.0] * len(completions)
+"""
+
+
+@pytest.fixture
+def user_rewards(tmp_path, monkeypatch):
+    """A user's reward module (TRL's signature: named columns, **columns for the rest) and a
+    jsonl whose rows carry a `level` column."""
+    (tmp_path / "newcomer_rewards.py").write_text(REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "newcomer_rewards", raising=False)
+    rows = [f'{{"problem": "{i}+1?", "answer": "{i + 1}", "level": {i % 3 + 1}}}' for i in range(4)]
+    (tmp_path / "d.jsonl").write_text("\n".join(rows) + "\n")
+    from ebpo_lite import config, mathdata
+
+    cfg = config.load(REPO / R, [f"data.path={tmp_path / 'd.jsonl'}"])
+    return mathdata.load_examples(cfg.data)
+
+
+def test_a_reward_reading_a_column_the_data_has_is_accepted(user_rewards):
+    """TRL passes a dataset's columns by name: `def score(completions, level, **kw)` is a valid
+    reward (it was refused at load as 'cannot be called as fn(completions, **columns)')."""
+    from ebpo_lite import rewards
+
+    fn = rewards.get_reward_fn("newcomer_rewards:by_level")
+    rewards.check_columns([("by_level", fn)], user_rewards, "the training data")
+    kept = rewards.get_reward_fn("newcomer_rewards:with_default")  # a default: not required
+    rewards.check_columns([("with_default", kept)], user_rewards, "the training data")
+    columns = rewards.reward_columns(user_rewards)
+    assert fn(completions=["x"] * 4, timeout_s=10.0, **columns) == [1.0, 2.0, 3.0, 1.0]
+    rewards.close_contained()
+
+
+def test_a_reward_reading_a_column_the_data_lacks_is_one_line_naming_it(user_rewards):
+    from ebpo_lite import rewards
+
+    fn = rewards.get_reward_fn("newcomer_rewards:by_source")
+    with pytest.raises(ConfigError) as e:
+        rewards.check_columns(
+            [("newcomer_rewards:by_source", fn)], user_rewards, "the training data"
+        )
+    line = str(e.value)
+    assert line.startswith("reward.functions: newcomer_rewards:by_source reads 'source', which ")
+    assert "(its columns: answer, level, prompts;" in line and "\n" not in line
+    rewards.check_columns([("by_source", fn)], [], "the held-out data")  # nothing held out
+    rewards.close_contained()

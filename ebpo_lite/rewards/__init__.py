@@ -20,6 +20,7 @@ from ebpo_lite.rewards.extract import (
 from ebpo_lite.rewards.functions import (
     REWARD_FUNCTIONS,
     arithmetic_answer,
+    check_columns,
     combine_rewards,
     default_reward_names,
     format_reward,
@@ -39,6 +40,7 @@ __all__ = [
     "ContainedReward",
     "MathJudgement",
     "arithmetic_answer",
+    "check_columns",
     "close",
     "close_contained",
     "combine_rewards",

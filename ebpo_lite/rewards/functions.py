@@ -27,11 +27,14 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ebpo_lite.errors import ConfigError
 from ebpo_lite.rewards.contained import ContainedReward
 from ebpo_lite.rewards.extract import canonical_int, completion_text, count_boxes, last_boxed
 from ebpo_lite.rewards.judge import golds_for, judge_math
 
 RewardFn = Callable[..., list]
+# what every call passes besides the data's columns (`run.Run.score`, `train_eval`)
+CALL_KEYWORDS = ("completions", "prompts", "answer", "timeout_s")
 _PLAIN_INT = re.compile(r"[+-]?\d+")
 
 
@@ -171,7 +174,9 @@ def get_reward_fn(name: str) -> RewardFn:
             "defined in that module"
         )
     try:  # how the trainer calls it; a function that cannot take that would mask every score
-        inspect.signature(fn).bind(completions=[], prompts=[], answer=[], timeout_s=1.0)
+        # (partial: a parameter it requires is a column it reads, checked against the data
+        # once that has loaded: `check_columns`)
+        inspect.signature(fn).bind_partial(**{k: [] for k in CALL_KEYWORDS})
     except TypeError as e:
         raise ValueError(
             f"reward function {name!r}: cannot be called as fn(completions, **columns) ({e}); "
@@ -180,6 +185,42 @@ def get_reward_fn(name: str) -> RewardFn:
     except ValueError:  # no signature to read (some builtins): its first call will tell
         pass
     return ContainedReward(name)
+
+
+def columns_read(fn: RewardFn) -> list[str]:
+    """The data columns `fn` reads by name: its parameters without a default, besides
+    CALL_KEYWORDS (a `module:function` is read in its module; no signature: none known)."""
+    if isinstance(fn, ContainedReward):
+        module, _, attr = fn.target.partition(":")
+        fn = getattr(importlib.import_module(module), attr)
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [
+        p.name
+        for p in params
+        if p.kind in named and p.default is p.empty and p.name not in CALL_KEYWORDS
+    ]
+
+
+def check_columns(fns: Sequence[tuple[str, RewardFn]], examples: Sequence[Any], what: str) -> None:
+    """Every column a reward function reads (`columns_read`) is one `reward_columns` gives for
+    `examples` (`what`: "the training data", ...), else one ConfigError before the model loads
+    (TRL passes a dataset's columns the same way; a missing one was a TypeError per call)."""
+    if not examples:  # no held-out data: nothing is scored
+        return
+    have = {"prompts", "answer"} | {k for ex in examples for k in ex.meta}
+    for name, fn in fns:
+        missing = [c for c in columns_read(fn) if c not in have]
+        if missing:
+            raise ConfigError(
+                f"reward.functions: {name} reads {', '.join(map(repr, missing))}, which {what} "
+                f"does not have (its columns: {', '.join(sorted(have))}; fields a preset reads "
+                "and texts over 200 characters are not passed); add the field to every row, or "
+                "give the parameter a default"
+            )
 
 
 def default_reward_names(data_name: str) -> list[str]:
