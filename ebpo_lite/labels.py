@@ -261,6 +261,25 @@ def label_prompts(
         bar.close()
 
 
+def check_sampler_labels(cfg: Config, examples: list[Example]) -> None:
+    """`curriculum.sampler=topic` / `difficulty` over examples none of which has that label: one
+    UserError before the model loads (the sampler would put every example in the topic 'other',
+    or in one random order, and run as a plain shuffle while the run said it was a curriculum).
+    Some examples without a label are the sampler's documented case (`curriculum.py`); labels
+    that `data.labels_path=auto` makes are not there yet for difficulty, so that is left alone."""
+    kind = cfg.curriculum.sampler
+    if kind not in ("topic", "difficulty") or (
+        kind == "difficulty" and cfg.data.labels_path == AUTO
+    ):
+        return
+    if examples and all(getattr(ex, kind) is None for ex in examples):
+        raise UserError(
+            f"curriculum.sampler: {kind} needs a {kind} per example and none of the "
+            f"{len(examples)} training examples has one; label them (data.{kind}_field, or "
+            f"data.labels_path=auto), or set curriculum.sampler=shuffle"
+        )
+
+
 def prior_keys(examples: list[Example], key: str) -> list[str | int]:
     """Each example's key for the hierarchical prior (`algo.prior_key`), or one UserError naming
     the examples that lack it (checked before the model loads: it used to be a traceback at step

@@ -371,6 +371,7 @@ def build_run(cfg: config.Config, log: Callable[[str], None] = print) -> Run:
     train_ex = labels.maybe_topic_labels(cfg, train_ex, log)
     rewards.check_columns(fns, train_ex, "the training data")  # a column a reward reads
     rewards.check_columns(fns, eval_ex, "the held-out data")
+    labels.check_sampler_labels(cfg, train_ex)  # a curriculum with nothing to order by
     key = cfg.algo.prior_key if cfg.algo.estimator == "ebpo" else None
     if key and not (key == "difficulty" and cfg.data.labels_path == labels.AUTO):
         labels.prior_keys(train_ex, key)  # every example has one: else one line, no model load

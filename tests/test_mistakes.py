@@ -201,6 +201,8 @@ MISTAKES = [
     Mistake("unknown_reward", (R, "reward.functions=[nope]"), "reward.functions", "expected one of math_answer"),
     Mistake("reward_module_missing", (R, "reward.functions=[no_such_module_x:score]"), "no_such_module_x", "PYTHONPATH"),
     Mistake("reward_function_missing", (R, "reward.functions=[os:no_such_fn]"), "no_such_fn", "name a function"),
+    Mistake("topic_sampler_without_topics", (R, "data.path={tmp}/d.jsonl", "curriculum.sampler=topic"), "curriculum.sampler: topic needs a topic per example", "data.topic_field, or data.labels_path=auto", _jsonl("d.jsonl", '{"problem": "1+1?", "answer": "2"}', '{"problem": "2+2?", "answer": "4"}')),
+    Mistake("difficulty_sampler_without_levels", (R, "data.path={tmp}/d.jsonl", "curriculum.sampler=difficulty"), "curriculum.sampler: difficulty needs a difficulty", "set curriculum.sampler=shuffle", _jsonl("d.jsonl", '{"problem": "1+1?", "answer": "2"}', '{"problem": "2+2?", "answer": "4"}')),
     Mistake("reward_reads_a_missing_column", (R, "data.path={tmp}/d.jsonl", "reward.functions=[mistake_rewards:by_source]"), "reward.functions: mistake_rewards:by_source reads 'source'", "add the field to every row", _both(_jsonl("d.jsonl", '{"problem": "1+1?", "answer": "2", "level": 1}'), _module("mistake_rewards", "def by_source(completions, source, **columns):\n    return [0.0] * len(completions)\n"))),
     # data files
     Mistake("data_file_missing", (R, "data.path={tmp}/missing.jsonl"), "missing.jsonl: data file not found", "check data.path"),
