@@ -113,12 +113,12 @@ class AlgoConfig:
     prompt_prior: bool = False  # ebpo: shrink toward the prompt's posterior from earlier visits
     prompt_capacity: int = 200_000  # prompt_prior: most prompts remembered (about 250 B each)
     # loss (docs/losses.md); keys named as TRL 1.16's GRPOConfig where the meaning is the same
-    # loss_type null: the clipped loss aggregated as loss_agg says (token_mean = dapo,
-    # seq_mean = grpo, token_sum_norm = dr_grpo); set, it picks the loss and its aggregation
-    loss_type: str | None = None  # grpo | dr_grpo | dapo | bnpo | cispo | sapo | luspo | vespo
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2  # cispo: the ratio's cap is 1 + clip_eps_high
     loss_agg: str = "token_mean"  # token_mean | seq_mean | token_sum_norm (Dr. GRPO's)
+    # loss_type null: the clipped loss aggregated as loss_agg says (token_mean = dapo,
+    # seq_mean = grpo, token_sum_norm = dr_grpo); set, it picks the loss and its aggregation
+    loss_type: str | None = None  # grpo | dr_grpo | dapo | bnpo | cispo | sapo | luspo | vespo
     importance_sampling_level: str = "token"  # token | sequence (GSPO's sequence ratio)
     delta: float | None = None  # clipped losses: also cap the ratio at delta (two-sided clip)
     # DAPO's overlong filtering: completions with no stop token leave the loss; the EB prior,

@@ -279,6 +279,7 @@ GSPO_ALL = {  # the run.py wiring of every new option at once
 }
 
 
+@pytest.mark.slow
 def test_gspo_with_every_option_trains_the_tiny_task(tmp_path):
     from ebpo_lite.train import train
 
