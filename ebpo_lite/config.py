@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -451,8 +452,6 @@ def validate(cfg: Config) -> None:
     _check(d.max_examples >= 0, "data.max_examples", "must be >= 0")
     _check(d.num_train >= 1, "data.num_train", "must be >= 1")
     _check(d.num_eval >= 0, "data.num_eval", "must be >= 0")
-    from ebpo_lite.data import check_held_out
-
     check_held_out(d)
     _one_of(d.prompt_format, ("auto", "chat", "raw"), "data.prompt_format")
     from ebpo_lite.presets import BENCHMARKS, PRESETS
@@ -547,3 +546,44 @@ def validate(cfg: Config) -> None:
     _one_of(cfg.log.progress, ("auto", "bar", "lines", "none"), "log.progress")
     _check(cfg.log.show_completions >= 0, "log.show_completions", "must be >= 0 (0: off)")
     _check(cfg.log.completions_every >= 0, "log.completions_every", "must be >= 0 (0: never)")
+
+
+def parse_eval_size(value: str) -> float | int | None:
+    """`data.eval_size` as a fraction (float in (0, 1)), a count (int >= 0), or None (auto)."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return None
+    if re.fullmatch(r"\d+", text):
+        return int(text)
+    try:
+        frac = float(text)
+    except ValueError:
+        frac = None
+    if frac is None or frac < 0:
+        raise ConfigError(
+            f"data.eval_size: expected auto, a fraction in (0, 1) or a count >= 0, got {value!r}"
+        )
+    if not 0 < frac < 1:
+        raise ConfigError(
+            f"data.eval_size: a fraction must be in (0, 1), got {value!r}; write a count "
+            "without a decimal point (data.eval_size=50)"
+        )
+    return frac
+
+
+def check_held_out(cfg: DataConfig) -> None:
+    """`data.eval_size` / `data.eval_path`: each well formed, and not set against each other or
+    against the built-in task (config validation: one line naming the key)."""
+    size = parse_eval_size(cfg.eval_size)
+    if size is not None and cfg.eval_path:
+        raise ConfigError(
+            f"data.eval_size: {cfg.eval_size} together with data.eval_path; hold rows out of the "
+            "training data (eval_size) or read them from a file (eval_path), not both"
+        )
+    if size is not None and cfg.name in ("arithmetic", "arithmetic_chat") and cfg.path is None:
+        raise ConfigError(
+            f"data.eval_size: the built-in {cfg.name} task holds out its own problems; set "
+            "data.num_eval instead"
+        )
+    if cfg.eval_path is not None and not cfg.eval_path.strip():
+        raise ConfigError("data.eval_path: must not be empty (null: none)")

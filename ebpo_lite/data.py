@@ -31,6 +31,7 @@ import zlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ebpo_lite.config import parse_eval_size
 from ebpo_lite.errors import ConfigError
 from ebpo_lite.example import Example, Examples
 from ebpo_lite.prompts import format_prompt
@@ -256,47 +257,6 @@ def load_train_eval(cfg: DataConfig) -> tuple[list[Example], list[Example]]:
 # ----------------------------------------------------------------------------- held-out split
 
 AUTO_FRACTION, AUTO_MIN_ROWS = 0.1, 10  # data.eval_size=auto: 10%, from 10 rows on
-
-
-def parse_eval_size(value: str) -> float | int | None:
-    """`data.eval_size` as a fraction (float in (0, 1)), a count (int >= 0), or None (auto)."""
-    text = str(value).strip().lower()
-    if text == "auto":
-        return None
-    if re.fullmatch(r"\d+", text):
-        return int(text)
-    try:
-        frac = float(text)
-    except ValueError:
-        frac = None
-    if frac is None or frac < 0:
-        raise ConfigError(
-            f"data.eval_size: expected auto, a fraction in (0, 1) or a count >= 0, got {value!r}"
-        )
-    if not 0 < frac < 1:
-        raise ConfigError(
-            f"data.eval_size: a fraction must be in (0, 1), got {value!r}; write a count "
-            "without a decimal point (data.eval_size=50)"
-        )
-    return frac
-
-
-def check_held_out(cfg: DataConfig) -> None:
-    """`data.eval_size` / `data.eval_path`: each well formed, and not set against each other or
-    against the built-in task (config validation: one line naming the key)."""
-    size = parse_eval_size(cfg.eval_size)
-    if size is not None and cfg.eval_path:
-        raise ConfigError(
-            f"data.eval_size: {cfg.eval_size} together with data.eval_path; hold rows out of the "
-            "training data (eval_size) or read them from a file (eval_path), not both"
-        )
-    if size is not None and is_generated(cfg):
-        raise ConfigError(
-            f"data.eval_size: the built-in {cfg.name} task holds out its own problems; set "
-            "data.num_eval instead"
-        )
-    if cfg.eval_path is not None and not cfg.eval_path.strip():
-        raise ConfigError("data.eval_path: must not be empty (null: none)")
 
 
 def is_preset(cfg: DataConfig) -> bool:
