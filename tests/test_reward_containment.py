@@ -95,9 +95,12 @@ _CALLS = [0]
 
 
 def raising_sometimes(completions, answer, **kwargs):
-    """Raises on odd calls (the first training step), scores like arithmetic_answer otherwise."""
-    _CALLS[0] += 1
-    if _CALLS[0] % 2:
+    """Raises on odd training calls (the first training step), scores like arithmetic_answer
+    otherwise. A training call scores 4 prompts x 4 completions; the in-training eval, which
+    scores every reward function too, sends its 8 held-out problems and is not counted."""
+    if len(completions) == 16:
+        _CALLS[0] += 1
+    if _CALLS[0] % 2 and len(completions) == 16:
         raise ZeroDivisionError("odd call")
     return [1.0 if c.strip() == str(a) else 0.0 for c, a in zip(completions, answer)]
 '''
