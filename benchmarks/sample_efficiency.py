@@ -84,13 +84,36 @@ METHODS: dict[str, list[str]] = {
         "curriculum.max_extra_draws=0",
     ],
 }
+# issue 33: EBPO and GRPO under the losses of docs/losses.md, each paired with GRPO under the same
+# loss (BASE). Run them off-policy (`--extra train.mini_batches=4`, the paper's 512 / 128): with one
+# optimizer step per rollout every ratio is 1, where GSPO's gradient is GRPO's and CISPO's is
+# DAPO's. Clip ranges as the losses' papers and TRL's docs recommend them: GSPO 3e-4 / 4e-4 on the
+# sequence ratio; CISPO's cap 1 + 4.0 (TRL's epsilon_high=5.0); DAPO's overlong filtering on the
+# default token-mean loss.
+LOSSES: dict[str, list[str]] = {
+    "gspo": [
+        "algo.loss_type=grpo",
+        "algo.importance_sampling_level=sequence",
+        "algo.clip_eps_low=3e-4",
+        "algo.clip_eps_high=4e-4",
+    ],
+    "dapo_overlong": ["algo.loss_type=dapo", "algo.mask_truncated_completions=true"],
+    "cispo": ["algo.loss_type=cispo", "algo.clip_eps_high=4.0"],
+}
+BASE: dict[str, str] = {}
+for _loss, _keys in LOSSES.items():
+    for _est in ("grpo", "ebpo"):
+        METHODS[f"{_est}_{_loss}"] = [f"algo.estimator={_est}", *_keys]
+    BASE[f"ebpo_{_loss}"] = f"grpo_{_loss}"
 # two-sided 95% quantiles of Student's t for 1..30 degrees of freedom
 T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
         2.060, 2.056, 2.052, 2.048, 2.045, 2.042]  # fmt: skip
 
 
-def overrides(method: str, G: int, seed: int, steps: int, out: Path) -> list[str]:
+def overrides(
+    method: str, G: int, seed: int, steps: int, out: Path, extra: tuple[str, ...] = ()
+) -> list[str]:
     return [
         f"output_dir={out}",
         *METHODS[method],
@@ -102,20 +125,25 @@ def overrides(method: str, G: int, seed: int, steps: int, out: Path) -> list[str
         "train.checkpoint_every=0",
         f"eval.every={EVAL_EVERY}",
         "log.progress=none",
+        *extra,
     ]
 
 
-def one_run(job: tuple[str, int, int, int]) -> dict:
+def _key(r: dict) -> tuple:
+    return (r["method"], r["group_size"], r["seed"], r["steps"], tuple(r.get("extra", ())))
+
+
+def one_run(job: tuple[str, int, int, int, tuple[str, ...]]) -> dict:
     """Train one (method, G, seed) and reduce its metrics.jsonl to one record."""
     from ebpo_lite import config
     from ebpo_lite.metrics import read_metrics
     from ebpo_lite.train import train
 
-    method, G, seed, steps = job
+    method, G, seed, steps, extra = job
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
         cfg = config.load(
-            REPO / "recipes" / "tiny_cpu.yaml", overrides(method, G, seed, steps, out)
+            REPO / "recipes" / "tiny_cpu.yaml", overrides(method, G, seed, steps, out, extra)
         )
         t0 = time.perf_counter()
         train(cfg)
@@ -132,6 +160,7 @@ def one_run(job: tuple[str, int, int, int]) -> dict:
         "group_size": G,
         "seed": seed,
         "steps": steps,
+        "extra": list(extra),
         "eval_steps": [r["step"] for r in evals],
         "expected_accuracy": exp,
         "greedy_accuracy": greedy,
@@ -172,9 +201,11 @@ def summarize(runs: list[dict], groups: list[int]) -> list[dict]:
             if not rs:
                 continue
             row = {"method": method, "group_size": G, "seeds": len(rs)}
+            row["base"] = BASE.get(method, "grpo")
             for f in ("final_accuracy", "auc", "final_greedy", "auc_greedy"):
                 row[f] = statistics.mean(r[f] for r in rs)
-                row[f"{f}_vs_grpo"] = paired(runs, method, G, f) if method != "grpo" else None
+                base = BASE.get(method, "grpo")
+                row[f"{f}_vs_grpo"] = paired(runs, method, G, f, base) if method != base else None
             row["start_accuracy"] = statistics.mean(r["expected_accuracy"][0] for r in rs)
             row["frac_zero_std_groups"] = statistics.mean(r["frac_zero_std_groups"] for r in rs)
             s = [r["mean_shrinkage"] for r in rs if r["mean_shrinkage"] is not None]
@@ -242,20 +273,33 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--workers", type=int, default=2, help="runs in parallel, one thread each")
+    p.add_argument(
+        "--extra",
+        action="append",
+        default=[],
+        help="an override for every run (repeatable), e.g. train.mini_batches=4",
+    )
+    p.add_argument(
+        "--name",
+        default="sample_efficiency",
+        help="results as benchmarks/results/NAME.{json,md,png}; finished runs in runs/NAME.partial.jsonl",
+    )
     args = p.parse_args()
+    extra = tuple(args.extra)
+    partial = PARTIAL.with_name(f"{args.name}.partial.jsonl")
     seeds = [int(s) for s in args.seeds.split(",")]
     groups = [int(g) for g in args.groups.split(",")]
     methods = args.methods.split(",")
     unknown = sorted(set(methods) - METHODS.keys())
     if unknown:
         raise SystemExit(f"--methods: unknown {unknown}; known: {', '.join(METHODS)}")
-    jobs = [(m, G, s, args.steps) for s in seeds for G in groups for m in methods]
-    PARTIAL.parent.mkdir(parents=True, exist_ok=True)
+    jobs = [(m, G, s, args.steps, extra) for s in seeds for G in groups for m in methods]
+    partial.parent.mkdir(parents=True, exist_ok=True)
     done = {}
-    if PARTIAL.is_file():
-        for line in PARTIAL.read_text().splitlines():
+    if partial.is_file():
+        for line in partial.read_text().splitlines():
             r = json.loads(line)
-            done[(r["method"], r["group_size"], r["seed"], r["steps"])] = r
+            done[_key(r)] = r
     todo = [j for j in jobs if j not in done]
     print(f"{len(jobs)} runs, {len(jobs) - len(todo)} already done", flush=True)
     if todo:
@@ -265,9 +309,9 @@ def main() -> None:
         # warm the tiny model once here, so the workers find it cached (no policy built)
         cfg = config.load(REPO / "recipes" / "tiny_cpu.yaml", [])
         warm_tiny_model(cfg.model.sft_warmup_steps, cfg.model.sft_seed, cfg.data.seed)
-        with mp.get_context("spawn").Pool(args.workers) as pool, PARTIAL.open("a") as f:
+        with mp.get_context("spawn").Pool(args.workers) as pool, partial.open("a") as f:
             for r in pool.imap_unordered(one_run, todo):
-                done[(r["method"], r["group_size"], r["seed"], r["steps"])] = r
+                done[_key(r)] = r
                 f.write(json.dumps(r) + "\n")
                 f.flush()
                 print(
@@ -279,23 +323,27 @@ def main() -> None:
     rows = summarize(runs, groups)
     cmd, mach = command(), machine(workers=args.workers)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "sample_efficiency.json").write_text(
+    (RESULTS / f"{args.name}.json").write_text(
         json.dumps({"command": cmd, "machine": mach, "summary": rows, "runs": runs}, indent=2)
         + "\n"
     )
-    plot(runs, groups, RESULTS / "sample_efficiency.png")
+    plot(runs, groups, RESULTS / f"{args.name}.png")
     md = (
         "# Sample efficiency on the tiny CPU task, at equal compute\n\n"
         f"Command: `{cmd}`  \nMachine: {mach['cores']} cores ({mach['cpu']}), "
         f"torch {mach['torch']}, {args.workers} runs in parallel, one thread each.\n\n"
         f"Each run: recipes/tiny_cpu.yaml, {args.steps} steps of {COMPLETIONS} completions "
-        f"(prompts = {COMPLETIONS} / G), seeds {args.seeds}, paired across methods. Accuracy: "
+        f"(prompts = {COMPLETIONS} / G), seeds {args.seeds}, paired across methods"
+        + (f", every run with {', '.join(f'`{e}`' for e in extra)}" if extra else "")
+        + ". Accuracy: "
         "the exact expected accuracy on 256 held-out problems (no sampling noise); AUC = mean "
         f"gain over the evals every {EVAL_EVERY} steps after step 0. Differences are paired "
-        "(same seed) against `grpo`: mean [95% t-interval] wins/seeds. Figure: "
-        "[sample_efficiency.png](sample_efficiency.png).\n\n" + table(rows) + "\n"
+        "(same seed) against `grpo` (an `ebpo_LOSS` row: against `grpo_LOSS`, the same loss): "
+        f"mean [95% t-interval] wins/seeds. Figure: [{args.name}.png]({args.name}.png).\n\n"
+        + table(rows)
+        + "\n"
     )
-    (RESULTS / "sample_efficiency.md").write_text(md)
+    (RESULTS / f"{args.name}.md").write_text(md)
     print(md)
 
 
