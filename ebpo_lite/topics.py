@@ -101,15 +101,14 @@ def embedding_model_path() -> Path:
 @torch.no_grad()
 def embed(texts: list[str], batch_size: int = 64, progress: bool = True) -> torch.Tensor:
     """L2-normalised mean-pooled all-MiniLM-L6-v2 embeddings: [N, 384]."""
-    import os
-
     from tqdm import tqdm
     from transformers import AutoModel, AutoTokenizer
 
+    # a local folder; local_files_only keeps the hub out of it without setting HF_HUB_OFFLINE for
+    # the whole process (that once switched the hub off for everything after a label run)
     path = embedding_model_path()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModel.from_pretrained(path).eval()
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModel.from_pretrained(path, local_files_only=True).eval()
     out = []
     for s in tqdm(range(0, len(texts), batch_size), desc="embed", disable=not progress):
         b = tok(texts[s : s + batch_size], padding=True, truncation=True, max_length=MAX_TOKENS,

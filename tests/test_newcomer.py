@@ -108,7 +108,8 @@ def local_hub(monkeypatch):
     url = f"http://127.0.0.1:{server.server_address[1]}"
     set_hub_endpoint(monkeypatch, url)
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    for flag in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):  # checks.hub_offline reads both
+        monkeypatch.delenv(flag, raising=False)
     yield url
     server.shutdown()
 
