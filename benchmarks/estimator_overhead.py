@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from _machine import command, machine
 
-from ebpo_lite.advantages import EBPrior, compute_advantages
+from ebpo_lite.algo.advantages import EBPrior, compute_advantages
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPICS = ["algebra", "calculus", "geometry", "discrete", "probability", "linalg", "applied",

@@ -7,12 +7,12 @@ One micro-batch = forward through a random-init Qwen3 with a 151,936-token vocab
 2 small layers, LoRA r 16 on all linears) + log-probs and entropy of N x C completion tokens +
 backward of a token-mean loss, as `run.Run._update` does. "old" is the unchunked implementation
 (fp32 [N, C, V] logits kept by autograd, an fp32 softmax for the entropy), kept here only for this
-comparison; "new" is `ebpo_lite.policy.completion_logprobs` (fp32 chunks of rows).
+comparison; "new" is `ebpo_lite.model.policy.completion_logprobs` (fp32 chunks of rows).
 
 Memory is measured with torch's profiler (`profile_memory=True`): every allocation and free of
 torch's CPU allocator is an event with its byte count, and the running sum of those events, from
 the start of the micro-batch, peaks at the number reported (exact tensor bytes, no RSS guess).
-The planner's estimate (`ebpo_lite.memory.logits_bytes`) for the same shapes is recorded beside.
+The planner's estimate (`ebpo_lite.model.memory.logits_bytes`) for the same shapes is recorded beside.
 
 Measured here (results/logprob_memory.json, N = 4, C = 512, 2 threads): bf16 5.87 -> 1.61 GiB,
 fp32 5.87 -> 2.65 GiB (one fp32 [N, C, V] copy is 1.16 GiB; the old path peaked at about five);
@@ -31,8 +31,8 @@ import torch
 from _machine import command, machine
 from _memory import allocator_bytes
 
-from ebpo_lite.memory import arch_from_config, logits_bytes
-from ebpo_lite.policy import completion_logprobs, make_batch
+from ebpo_lite.model.memory import arch_from_config, logits_bytes
+from ebpo_lite.model.policy import completion_logprobs, make_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 151_936

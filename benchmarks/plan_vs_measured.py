@@ -6,7 +6,7 @@ Writes benchmarks/results/plan_vs_measured.{json,md} with the command, the machi
 For each shape (a random-init Qwen3 built here, saved and loaded as a model folder, with the
 flagship's trainer settings: bf16 compute, LoRA r 32 / alpha 64 on all linear layers, sdpa, one
 micro-batch of N sequences of P prompt + C completion tokens, no padding: the planner's worst
-case), the bytes of each component are measured and set beside `ebpo_lite.plan.plan` on the same
+case), the bytes of each component are measured and set beside `ebpo_lite.model.plan.plan` on the same
 config (`model.name` = that folder):
 
 | component | measured as (torch.profiler, profile_memory=True) | planned (plan.py key) |
@@ -42,9 +42,11 @@ import torch
 from _machine import command, machine
 from _memory import allocator_bytes
 
-from ebpo_lite import config, loss, plan
-from ebpo_lite.memory import GIB
-from ebpo_lite.policy import (
+from ebpo_lite import config
+from ebpo_lite.algo import loss
+from ebpo_lite.model import plan
+from ebpo_lite.model.memory import GIB
+from ebpo_lite.model.policy import (
     Policy,
     _add_lora,
     _nf4_config,
@@ -81,7 +83,7 @@ def build_model_dir(shape: dict, folder: Path) -> Path:
     """A random-init Qwen3 of `shape` saved in bf16, with the tiny tokenizer (its ids < 128)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from ebpo_lite.tiny import build_tokenizer, tiny_config_kwargs
+    from ebpo_lite.model.tiny import build_tokenizer, tiny_config_kwargs
 
     kw = tiny_config_kwargs() | dict(
         vocab_size=shape["vocab"],
@@ -306,7 +308,7 @@ def markdown(result: dict) -> str:
 
 NOTES = [
     "Not measurable on a CPU: the GPU-only constants, each marked in "
-    "`ebpo_lite/plan_vllm.py`'s `CONSTANTS` as assumed (`CUDA_CONTEXT_GIB`, `FRAGMENTATION`, "
+    "`ebpo_lite/model/plan_vllm.py`'s `CONSTANTS` as assumed (`CUDA_CONTEXT_GIB`, `FRAGMENTATION`, "
     "`VLLM_NON_TORCH_GIB`, `VLLM_CUDA_GRAPHS_GIB`, `VLLM_SLEEP_RESIDUAL_GIB`) or read in "
     "vLLM's, vllm-bnb-plugin's and Unsloth's source (vLLM's reservation, profiling peak, NF4 "
     "copy and KV cache; Unsloth's utilization). `scripts/gpu_smoke.py` records measured GPU "
@@ -341,7 +343,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(min(2, torch.get_num_threads()))
     result = {
-        "what": "ebpo_lite.plan's trainer components against torch's CPU allocator",
+        "what": "ebpo_lite.model.plan's trainer components against torch's CPU allocator",
         "command": command(),
         "machine": machine(**_versions()),
         "method": "torch.profiler profile_memory=True (running sum of CPU allocator events); "

@@ -3,7 +3,7 @@ a GPU result (scripts/gpu_smoke.py, variant nf4_grads) is read against.
 
     .venv/bin/python benchmarks/qlora_check_cpu.py
 
-Runs `ebpo_lite.qlora_check.check` on a random Qwen3 of `qlora_check.LARGE_SHAPE` (4 layers,
+Runs `ebpo_lite.commands.qlora_check.check` on a random Qwen3 of `qlora_check.LARGE_SHAPE` (4 layers,
 hidden 1024, GQA 16/8, head size 64) and single layers of `LARGE_LAYERS` in fp32, bf16 and fp16,
 and writes benchmarks/results/qlora_check_cpu.json with the command and the machine. What each
 number means and its bound: ebpo_lite/qlora_check.py. Exit status 1 if any is out of bounds.
@@ -18,9 +18,9 @@ from pathlib import Path
 
 from _machine import command, machine
 
-from ebpo_lite import qlora_check
 from ebpo_lite.cli import quiet_libraries
-from ebpo_lite.tiny import save_random_qwen3
+from ebpo_lite.commands import qlora_check
+from ebpo_lite.model.tiny import save_random_qwen3
 
 OUT = Path(__file__).resolve().parent / "results" / "qlora_check_cpu.json"
 DTYPES = ["float32", "bfloat16", "float16"]

@@ -48,7 +48,7 @@ MEDIUM = dict(
 
 def build_model_dir(name: str, root: Path) -> str:
     """`tiny` -> the cached un-warmed tiny model; `medium` -> a saved 8-layer Qwen3 folder."""
-    from ebpo_lite.tiny import build_tokenizer, tiny_config_kwargs, warm_tiny_model
+    from ebpo_lite.model.tiny import build_tokenizer, tiny_config_kwargs, warm_tiny_model
 
     if name == "tiny":
         return str(warm_tiny_model(0, seed=0, data_seed=1234))
@@ -81,7 +81,7 @@ def make_cfg(model_dir: str, args, out: Path):
 
 
 def prompts_for(tokenizer, n: int) -> list[list[int]]:
-    from ebpo_lite.data import arithmetic_examples
+    from ebpo_lite.data.loader import arithmetic_examples
 
     return [
         tokenizer.encode(ex.prompt, add_special_tokens=False)
@@ -113,7 +113,7 @@ def time_backend(backend, policy, prompts, args, sync: bool = True) -> dict:
 
 
 def run_model(name: str, args, root: Path) -> dict:
-    from ebpo_lite.policy import Policy
+    from ebpo_lite.model.policy import Policy
     from ebpo_lite.rollout.hf import HFRollout
     from ebpo_lite.rollout.vllm import VLLMRollout
 
@@ -125,7 +125,7 @@ def run_model(name: str, args, root: Path) -> dict:
         "base_parameters": n_params,
         "config": {k: v for k, v in MEDIUM.items()}
         if name == "medium"
-        else "ebpo_lite.tiny.tiny_config_kwargs()",
+        else "ebpo_lite.model.tiny.tiny_config_kwargs()",
     }
     result["hf"] = time_backend(HFRollout(cfg.rollout, policy), policy, prompts, args)
     print(name, "hf", result["hf"], flush=True)

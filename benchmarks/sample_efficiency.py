@@ -17,9 +17,9 @@ prompt stream. Methods:
 - `ebpo_nocenter`, `ebpo_moments` (`tau2=moments`, `sigma2=within`), `ebpo_decay` (`decay=0.99`),
   `ebpo_key_topic` (`prior_key=topic`): the beyond-paper options of docs/algorithm.md section 4;
 - `ebpo_prompt` (`prompt_prior`), `ebpo_loo_prompt` (with `leave_one_out`): the options of
-  `ebpo_lite.advantages` added later (docs/algorithm.md section 4). `leave_one_out` alone is
+  `ebpo_lite.algo.advantages` added later (docs/algorithm.md section 4). `leave_one_out` alone is
   not run: with one G and no masked completions it gives the paper's advantages exactly (up to
-  the whitening's eps; proved in `ebpo_lite.advantages`, tested in tests/test_ebpo_options.py);
+  the whitening's eps; proved in `ebpo_lite.algo.advantages`, tested in tests/test_ebpo_options.py);
   `grpo_adaptive`, `ebpo_loo_prompt_adaptive` (`curriculum.sampler=adaptive`) and
   `ebpo_loo_prompt_dapo` (dynamic sampling as in `dapo`) tell estimator gains from sampling gains
   (benchmarks/beyond_paper.py tabulates them against `grpo` and `ebpo`).
@@ -136,7 +136,7 @@ def _key(r: dict) -> tuple:
 def one_run(job: tuple[str, int, int, int, tuple[str, ...]]) -> dict:
     """Train one (method, G, seed) and reduce its metrics.jsonl to one record."""
     from ebpo_lite import config
-    from ebpo_lite.metrics import read_metrics
+    from ebpo_lite.engine.metrics import read_metrics
     from ebpo_lite.train import train
 
     method, G, seed, steps, extra = job
@@ -304,7 +304,7 @@ def main() -> None:
     print(f"{len(jobs)} runs, {len(jobs) - len(todo)} already done", flush=True)
     if todo:
         from ebpo_lite import config
-        from ebpo_lite.tiny import warm_tiny_model
+        from ebpo_lite.model.tiny import warm_tiny_model
 
         # warm the tiny model once here, so the workers find it cached (no policy built)
         cfg = config.load(REPO / "recipes" / "tiny_cpu.yaml", [])

@@ -67,7 +67,8 @@ def main() -> None:
     extra += [f"train.steps={args.steps}", f"eval.every={args.steps}"] if args.steps else []
     extra += ["train.threads=1"] if args.parallel else []
     sys.path.insert(0, str(REPO))
-    from ebpo_lite import base_model, config
+    from ebpo_lite import config
+    from ebpo_lite.model import base_model
 
     t0 = time.perf_counter()
     base_model.resolve(config.load(REPO / RECIPE))  # the one-off conversion, outside the timings

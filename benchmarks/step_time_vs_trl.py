@@ -78,7 +78,7 @@ def ours_config(out: Path, steps: int, loop: str = "lean", share: bool = True):
 
 
 def ours_run(out: Path, steps: int, loop: str = "lean", share: bool = True):
-    from ebpo_lite.run import build_run
+    from ebpo_lite.engine.run import build_run
 
     cfg = ours_config(out, steps, loop, share)
     return cfg, build_run(cfg)
@@ -92,9 +92,9 @@ def trl_trainer(
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from ebpo_lite import data
+    from ebpo_lite.data import loader as data
+    from ebpo_lite.model.tiny import warm_tiny_model
     from ebpo_lite.rewards.functions import arithmetic_answer
-    from ebpo_lite.tiny import warm_tiny_model
 
     m = cfg.model
     path = str(warm_tiny_model(m.sft_warmup_steps, m.sft_seed, cfg.data.seed))

@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 from _machine import command, machine
 
-from ebpo_lite.advantages import EBPO_EPS, EBPrior, ebpo_advantages
+from ebpo_lite.algo.advantages import EBPO_EPS, EBPrior, ebpo_advantages
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {

@@ -57,7 +57,7 @@ def recipe(out: Path, seed: int, max_steps: int, extra: list[str] = ()):
 
 
 def held_out(cfg, tokenizer):
-    from ebpo_lite import data
+    from ebpo_lite.data import loader as data
 
     _, eval_ex = data.load_train_eval(cfg.data)
     eval_ex = eval_ex[: cfg.eval.num_examples]
@@ -72,7 +72,7 @@ def accuracy(policy, prompts, answers) -> float:
 
 
 def ours(seed: int, target: float, args) -> dict:
-    from ebpo_lite.run import build_run
+    from ebpo_lite.engine.run import build_run
     from ebpo_lite.train import train_step
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -98,7 +98,7 @@ def trl(seed: int, target: float, args) -> dict:
     from step_time_vs_trl import trl_trainer
     from transformers import TrainerCallback
 
-    from ebpo_lite.policy import Policy
+    from ebpo_lite.model.policy import Policy
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = recipe(Path(tmp) / "trl", seed, args.max_steps)
@@ -143,7 +143,7 @@ def main() -> None:
     ap.add_argument("--attn", default="sdpa", help="ebpo_lite's model.attn_implementation")
     args = ap.parse_args()
     torch.set_num_threads(THREADS)
-    from ebpo_lite.run import build_run
+    from ebpo_lite.engine.run import build_run
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = recipe(Path(tmp) / "start", 0, 1)

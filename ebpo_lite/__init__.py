@@ -7,7 +7,7 @@ that needs it (the names below load on first use), so `ebpo-lite --help`, `recip
 
 The Python API (docs/python.md): `load_config`, `train_run`, `evaluate`, `export_run` and
 `TrainResult` (`ebpo_lite.api`); `Config` and its sections (`ebpo_lite.config`); the errors
-they raise; the advantage estimators (`ebpo_lite.advantages`).
+they raise; the advantage estimators (`ebpo_lite.algo.advantages`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ _HOMES = {
             "grpo_advantages",
             "rloo_advantages",
         ),
-        "advantages",
+        "algo.advantages",
     ),
 }
 __all__ = list(_HOMES)

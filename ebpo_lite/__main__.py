@@ -16,8 +16,9 @@ import sys
 from collections.abc import Callable
 
 import ebpo_lite
-from ebpo_lite import catalog, cli, config, plan
+from ebpo_lite import catalog, cli, config
 from ebpo_lite.errors import UserError
+from ebpo_lite.model import plan
 
 PROG = "ebpo-lite"
 
@@ -28,16 +29,28 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "train a policy from a recipe (EBPO, GRPO, ...); --help lists keys",
     ),
     "eval": ("ebpo_lite.eval", "pass@1 over k samples, maj@k and pass@k of a run or a model"),
-    "plan": ("ebpo_lite.plan", "will a recipe fit a GPU? its memory plan, before anything loads"),
-    "doctor": ("ebpo_lite.doctor", "can this machine run a recipe? its stack, GPU, disk, hub"),
+    "plan": (
+        "ebpo_lite.model.plan",
+        "will a recipe fit a GPU? its memory plan, before anything loads",
+    ),
+    "doctor": (
+        "ebpo_lite.commands.doctor",
+        "can this machine run a recipe? its stack, GPU, disk, hub",
+    ),
     "label": ("", "per-example labels for the curricula: label difficulty | label topics"),
-    "plot": ("ebpo_lite.plot", "PNG figures of one or more runs' metrics, overlaid"),
-    "export": ("ebpo_lite.export", "a run's complete adapter + model card; --merge, --push-to-hub"),
+    "plot": ("ebpo_lite.commands.plot", "PNG figures of one or more runs' metrics, overlaid"),
+    "export": (
+        "ebpo_lite.commands.export",
+        "a run's complete adapter + model card; --merge, --push-to-hub",
+    ),
     "recipes": ("", "list the packaged recipes: model, GPU and memory"),
 }
 LABELS: dict[str, tuple[str, str]] = {
-    "difficulty": ("ebpo_lite.difficulty", "pass rates of the base policy (difficulty sampler)"),
-    "topics": ("ebpo_lite.topics", "topic per example: a dataset field or embedding k-means"),
+    "difficulty": (
+        "ebpo_lite.commands.difficulty",
+        "pass rates of the base policy (difficulty sampler)",
+    ),
+    "topics": ("ebpo_lite.data.topics", "topic per example: a dataset field or embedding k-means"),
 }
 
 

@@ -65,7 +65,7 @@ class TrainResult:
 
     def metrics(self) -> list[dict[str, Any]]:
         """Every record of the run's `metrics.jsonl` (one per step and per eval), in order."""
-        from ebpo_lite.metrics import read_metrics
+        from ebpo_lite.engine.metrics import read_metrics
 
         return list(read_metrics(self.run_dir / "metrics.jsonl"))
 
@@ -263,9 +263,9 @@ def export_run(
     (default: the newest). `merge`: also `merged/`, base and adapter as full weights.
     `push_to_hub`: a hub repo id to upload the finished folder to. The folder holds the complete
     adapter (`PeftModel.from_pretrained(base, folder)` loads it), the tokenizer, the run's config
-    and a model card; docs of `ebpo_lite.export` say more. Raises `UserError` for a mistake.
+    and a model card; docs of `ebpo_lite.commands.export` say more. Raises `UserError` for a mistake.
     """
-    from ebpo_lite.export import export_run as export_folder
+    from ebpo_lite.commands.export import export_run as export_folder
 
     with cli.quieted():
         return export_folder(os.fspath(run), out, checkpoint, merge, push_to_hub)

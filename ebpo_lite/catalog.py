@@ -12,7 +12,7 @@ folder after `pip install ebpo-lite`.
 
 Each recipe's header comment documents it; two of its lines are read here (`recipe_info`):
 `# GPU: ...` (the hardware it is written for; the listing shows the text before the first
-" (", "; " or ". ") and either `# Memory (python -m ebpo_lite.plan recipes/NAME.yaml --gpu G):`
+" (", "; " or ". ") and either `# Memory (ebpo-lite plan recipes/NAME.yaml --gpu G):`
 (the planner estimates the peak on that GPU) or a one-line `# Memory: ...` (shown as written,
 for the CPU recipe the planner does not describe).
 """
@@ -82,7 +82,7 @@ class RecipeInfo:
     title: str  # the header's first line, after "# NAME: "
     gpu: str  # short form of the `# GPU:` line
     memory_note: str  # short form of the `# Memory: ...` line, if the recipe has one
-    plan_gpu: str | None  # the `--gpu` of its `# Memory (python -m ebpo_lite.plan ...)` line
+    plan_gpu: str | None  # the `--gpu` of its `# Memory (ebpo-lite plan ...)` line
 
 
 def _header(text: str) -> list[str]:
@@ -107,7 +107,7 @@ def recipe_info(path: Path) -> RecipeInfo:
     memory_note = next((_short(h[7:].strip()) for h in header if h.startswith("Memory:")), "")
     plan_gpu = None
     for h in header:
-        m = re.match(r"Memory \(python -m ebpo_lite\.plan \S+ --gpu (\S+?)\)?:", h)
+        m = re.match(r"Memory \(ebpo-lite plan \S+ --gpu (\S+?)\)?:", h)
         if m:
             plan_gpu = m.group(1)
     return RecipeInfo(path.stem, path, title, gpu, memory_note, plan_gpu)

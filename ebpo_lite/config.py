@@ -21,9 +21,9 @@ from typing import Any
 
 import yaml
 
+from ebpo_lite.algo.loss_keys import check_loss_keys
 from ebpo_lite.catalog import recipe_path
 from ebpo_lite.errors import ConfigError
-from ebpo_lite.loss_keys import check_loss_keys
 
 ESTIMATORS = ("grpo", "dr_grpo", "rloo", "ebpo")
 SAMPLERS = ("shuffle", "topic", "difficulty", "adaptive")
@@ -58,7 +58,9 @@ class DataConfig:
     answer_field: str | None = None
     topic_field: str | None = None
     difficulty_field: str | None = None
-    labels_path: str | None = None  # per-example topic / pass-rate file, or auto (ebpo_lite.labels)
+    labels_path: str | None = (
+        None  # per-example topic / pass-rate file, or auto (ebpo_lite.engine.labels)
+    )
     data_dir: str | None = (
         None  # local copies of the presets (default EBPO_LITE_DATA; else the hub)
     )
@@ -201,7 +203,7 @@ class LogConfig:
     tensorboard: bool = False
     wandb: bool = False
     wandb_project: str = "ebpo_lite"
-    # what the model writes (ebpo_lite/samples.py, docs/monitoring.md)
+    # what the model writes (ebpo_lite/engine/samples.py, docs/monitoring.md)
     show_completions: int = 2  # completions printed at the first step and each eval step; 0: off
     completions_every: int = 10  # steps between writes of completions.jsonl; 0: never
 

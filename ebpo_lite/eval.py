@@ -51,14 +51,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ebpo_lite import cli
-from ebpo_lite.data import encode_prompt
+from ebpo_lite.data.jsonl import append_jsonl, read_jsonl, write_atomic
+from ebpo_lite.data.loader import encode_prompt
 from ebpo_lite.errors import UserError
-from ebpo_lite.jsonl import append_jsonl, read_jsonl, write_atomic
 from ebpo_lite.rewards.judge import EXTRACTION
 
 if TYPE_CHECKING:
     from ebpo_lite.config import Config, DataConfig
-    from ebpo_lite.data import Example
+    from ebpo_lite.data.loader import Example
 
 ARITHMETIC_EVAL_SIZE = 256  # the `arithmetic` benchmark: the tiny task's held-out problems
 HELD_OUT = "held-out"  # the run's own held-out examples, as a benchmark name
@@ -188,7 +188,9 @@ def benchmark_examples(name: str, dcfg: DataConfig | None = None) -> list[Exampl
     """`arithmetic` (the tiny task's held-out problems), `held-out` (the run's), a data file
     (read with the run's mapping) or a `mathdata` benchmark."""
     if is_own_data(name):
-        from ebpo_lite import config, data, mathdata
+        from ebpo_lite import config
+        from ebpo_lite.data import loader as data
+        from ebpo_lite.data import mathdata
 
         dcfg = dcfg if dcfg is not None else config.DataConfig()
         if name == HELD_OUT:
@@ -204,11 +206,11 @@ def benchmark_examples(name: str, dcfg: DataConfig | None = None) -> list[Exampl
         one = dataclasses.replace(dcfg, path=name, max_examples=0, eval_path=None)
         return mathdata.load_examples(one)
     if name == "arithmetic":
-        from ebpo_lite.data import arithmetic_examples
+        from ebpo_lite.data.loader import arithmetic_examples
 
         seed = dcfg.seed if dcfg is not None else 1234
         return arithmetic_examples(ARITHMETIC_EVAL_SIZE, seed=seed, split="eval")
-    from ebpo_lite import mathdata
+    from ebpo_lite.data import mathdata
 
     return mathdata.load_benchmark(name, data_dir=dcfg.data_dir if dcfg is not None else None)
 
@@ -254,7 +256,7 @@ def eval_examples(
     """k completions for each of `examples` in one `generate` call: one record per problem.
 
     `reward`: score with this function (own data) instead of the benchmark's rule (`score`)."""
-    from ebpo_lite.prompts import prompt_digest
+    from ebpo_lite.data.prompts import prompt_digest
     from ebpo_lite.rewards import reward_columns
 
     roll = sampler.generate(
@@ -307,7 +309,8 @@ def load_target(target: str, overrides: Sequence[str]) -> tuple[Config, Path | N
     folder `RUN/checkpoints/step_N` names one step; anything else is a model folder or hub id
     evaluated with the default config (`section.key=value` overrides apply in every case).
     """
-    from ebpo_lite import checkpoint, config
+    from ebpo_lite import config
+    from ebpo_lite.engine import checkpoint
 
     path = Path(target)
     if (path / "trainable.safetensors").is_file() and path.parent.name == "checkpoints":
@@ -328,8 +331,8 @@ def load_target(target: str, overrides: Sequence[str]) -> tuple[Config, Path | N
 
 def load_policy(cfg: Config, ckpt: Path | None, log: Callable[[str], None] = print):
     """The run's policy with the checkpoint's trainable tensors (LoRA and any trained norms)."""
-    from ebpo_lite.checkpoint import read_tensors
-    from ebpo_lite.run import load_policy as build_policy
+    from ebpo_lite.engine.checkpoint import read_tensors
+    from ebpo_lite.engine.run import load_policy as build_policy
 
     state = None  # read first: a bad checkpoint fails before the model loads
     if ckpt is not None:
@@ -410,7 +413,7 @@ def run_benchmark(
     `reward` scores own data (`is_own_data`)."""
     from tqdm import tqdm
 
-    from ebpo_lite.prompts import prompt_digest
+    from ebpo_lite.data.prompts import prompt_digest
 
     examples = benchmark_examples(bench, cfg.data)[: args.limit or None]
     for i, ex in enumerate(examples):
@@ -522,7 +525,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         benchmark_examples(bench, cfg.data)
     reward = None
     if any(is_own_data(b) for b in benches):  # the run's first reward, as the in-training eval's
-        from ebpo_lite.run import reward_functions
+        from ebpo_lite.engine.run import reward_functions
 
         reward = reward_functions(cfg)[0][0][1]
     done = _done_records(partial, _settings(args, cfg, ckpt))

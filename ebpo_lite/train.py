@@ -21,12 +21,13 @@ from typing import Any
 
 import torch
 
-from ebpo_lite import checkpoint, cli, config, faults, rewards, samples
-from ebpo_lite.advantages import frac_zero_std_groups
-from ebpo_lite.device import StepMemory
-from ebpo_lite.jsonl import write_atomic
-from ebpo_lite.metrics import Metrics, read_metrics
-from ebpo_lite.run import Run, build_run
+from ebpo_lite import cli, config, rewards
+from ebpo_lite.algo.advantages import frac_zero_std_groups
+from ebpo_lite.data.jsonl import write_atomic
+from ebpo_lite.engine import checkpoint, faults, samples
+from ebpo_lite.engine.metrics import Metrics, read_metrics
+from ebpo_lite.engine.run import Run, build_run
+from ebpo_lite.model.device import StepMemory
 from ebpo_lite.train_eval import evaluate_policy
 
 
@@ -306,12 +307,12 @@ class _StopFlag:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
-        from ebpo_lite.confighelp import train_help
+        from ebpo_lite.commands.confighelp import train_help
 
         print(train_help())  # every config key with its type, default and note
         return 0
     if not argv:
-        from ebpo_lite.confighelp import USAGE
+        from ebpo_lite.commands.confighelp import USAGE
 
         print(f"{USAGE}\n--help lists every config key.", file=sys.stderr)
         return 2

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ebpo_lite.data import encode_prompt, is_arithmetic
+from ebpo_lite.data.loader import encode_prompt, is_arithmetic
 from ebpo_lite.eval import (
     benchmark_examples,
     chunk_seed,
@@ -49,7 +49,7 @@ from ebpo_lite.rewards import (
 )
 
 if TYPE_CHECKING:
-    from ebpo_lite.run import Run
+    from ebpo_lite.engine.run import Run
 
 BENCHMARK_CHUNK = 64  # problems per eval_examples call (fixes each chunk's sampling seed)
 
@@ -121,7 +121,7 @@ def eval_sampler(run: Run, prompts: list[list[int]], k: int, max_new: int) -> An
     Either way the sampling phase starts here: the engine is woken once for all chunks, or put to
     sleep so that transformers has its memory.
     """
-    from ebpo_lite.plan import eval_chunk_size
+    from ebpo_lite.model.plan import eval_chunk_size
     from ebpo_lite.rollout.hf import HFRollout
 
     backend, cfg = run.backend, run.cfg

@@ -16,7 +16,7 @@ every look at the GPU: this process never imports torch, so it opens no CUDA con
 (one would hold ~0.5 GiB of the GPU the variants measure, and vLLM's engine would have to spawn
 instead of fork). The machine's facts (GPU, capability, versions) come from a `facts` child, the
 `small` model from another. The first variant is
-`ebpo_lite.qlora_check` on the GPU; the others run `ebpo_lite.train.main(argv)` on
+`ebpo_lite.commands.qlora_check` on the GPU; the others run `ebpo_lite.train.main(argv)` on
 recipes/tiny_cpu.yaml moved to the GPU (model.device=cuda):
 
     nf4_grads   LoRA gradients through bitsandbytes' CUDA NF4 kernels against the dequantized
@@ -38,7 +38,7 @@ memory/train_used_gb with it asleep: from the driver, so vLLM's pools, which tor
 miss, are in them), the sampler / trainer log-prob gap (rollout/logp_diff_max from
 <output_dir>/metrics.jsonl; none for the transformers sampler, which is the trainer itself), the
 mean reward, and the memory planner's estimate for the same config (generation_phase_gb and
-training_phase_gb against those two, to calibrate ebpo_lite/plan.py's constants). The report is
+training_phase_gb against those two, to calibrate ebpo_lite/model/plan.py's constants). The report is
 rewritten after each variant (`"complete": false` until the last), so a run cut short keeps what
 finished.
 
@@ -298,15 +298,15 @@ def run_child(variant: str, argv: list[str], result_path: Path, device: str = "c
     """In the child: run the variant, then write what ran and what it cost as strict JSON."""
     import torch
 
-    from ebpo_lite.qlora_check import json_ready
+    from ebpo_lite.commands.qlora_check import json_ready
 
     if variant == "facts":
         facts = gpu_facts(device, with_versions=argv != ["no-versions"])
         result_path.write_text(json.dumps(json_ready(facts), allow_nan=False))
         return 0
     if variant == "small_model":
-        from ebpo_lite.qlora_check import LARGE_SHAPE
-        from ebpo_lite.tiny import save_random_qwen3
+        from ebpo_lite.commands.qlora_check import LARGE_SHAPE
+        from ebpo_lite.model.tiny import save_random_qwen3
 
         save_random_qwen3(result_path, **{**LARGE_SHAPE, "num_hidden_layers": 8})
         return 0
@@ -315,7 +315,8 @@ def run_child(variant: str, argv: list[str], result_path: Path, device: str = "c
         torch.cuda.reset_peak_memory_stats()
     if variant == "nf4_grads":
         return run_check_child(argv, result_path, device)
-    from ebpo_lite import config, plan, train
+    from ebpo_lite import config, train
+    from ebpo_lite.model import plan
 
     t0 = time.perf_counter()
     rc = train.main(argv)
@@ -352,15 +353,15 @@ def run_child(variant: str, argv: list[str], result_path: Path, device: str = "c
 
 
 def run_check_child(argv: list[str], result_path: Path, device: str) -> int:
-    """nf4_grads in the child: `ebpo_lite.qlora_check` on CHECK_SHAPE for the dtypes in argv."""
+    """nf4_grads in the child: `ebpo_lite.commands.qlora_check` on CHECK_SHAPE for the dtypes in argv."""
     import torch
 
-    from ebpo_lite import qlora_check
     from ebpo_lite.cli import quiet_libraries
-    from ebpo_lite.qlora_check import LARGE_LAYERS as CHECK_LAYERS
-    from ebpo_lite.qlora_check import LARGE_SHAPE as CHECK_SHAPE
-    from ebpo_lite.qlora_check import json_ready
-    from ebpo_lite.tiny import save_random_qwen3
+    from ebpo_lite.commands import qlora_check
+    from ebpo_lite.commands.qlora_check import LARGE_LAYERS as CHECK_LAYERS
+    from ebpo_lite.commands.qlora_check import LARGE_SHAPE as CHECK_SHAPE
+    from ebpo_lite.commands.qlora_check import json_ready
+    from ebpo_lite.model.tiny import save_random_qwen3
 
     quiet_libraries()
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 (torch's default too)
@@ -372,7 +373,7 @@ def run_check_child(argv: list[str], result_path: Path, device: str) -> int:
         print(f"nf4_grads: {line}", flush=True)
     res = json_ready(res)
     res.update(variant="nf4_grads", rc=0 if res["ok"] else 1, argv=argv, shape=CHECK_SHAPE)
-    res["model"] = "random Qwen3 of `shape` with the tiny tokenizer (ebpo_lite.tiny)"
+    res["model"] = "random Qwen3 of `shape` with the tiny tokenizer (ebpo_lite.model.tiny)"
     res.update(wall_s=time.perf_counter() - t0, **memory_stats(device))
     result_path.write_text(json.dumps(res, indent=2, allow_nan=False))
     return res["rc"]
@@ -400,7 +401,7 @@ def gpu_facts(device: str = "cuda", with_versions: bool = True) -> dict:
         }
     if not torch.cuda.is_available():
         return {"no_cuda": True, "torch": torch.__version__, "cuda_build": torch.version.cuda}
-    from ebpo_lite.device import native_bf16
+    from ebpo_lite.model.device import native_bf16
 
     props = torch.cuda.get_device_properties(0)
     cap = torch.cuda.get_device_capability(0)

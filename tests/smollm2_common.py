@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ebpo_lite.data import arithmetic_examples
+from ebpo_lite.data.loader import arithmetic_examples
 
 SYSTEM = "Put your final answer within \\boxed{}."
 IM_END = "<|im_end|>"

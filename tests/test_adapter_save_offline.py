@@ -24,12 +24,13 @@ import peft  # noqa: F401  (imported before the guard: bitsandbytes asks the hub
 import pytest
 import torch
 
-from ebpo_lite import checkpoint, config
-from ebpo_lite.curriculum import ShuffleSampler
+from ebpo_lite import config
+from ebpo_lite.algo.curriculum import ShuffleSampler
+from ebpo_lite.engine import checkpoint
 from ebpo_lite.errors import UserError
-from ebpo_lite.policy import Policy, _add_lora
+from ebpo_lite.model.policy import Policy, _add_lora
+from ebpo_lite.model.tiny import save_random_qwen3
 from ebpo_lite.rollout import unsloth
-from ebpo_lite.tiny import save_random_qwen3
 
 HUB_ID = "Qwen/Qwen3-8B"
 # unsloth/models/mapper.py (2026.10.9): "unsloth/Qwen3-8B-unsloth-bnb-4bit": {"16": ("unsloth/

@@ -1,4 +1,4 @@
-"""Tests of ebpo_lite.advantages against hand-computed values, a brute-force reference and the
+"""Tests of ebpo_lite.algo.advantages against hand-computed values, a brute-force reference and the
 properties of docs/algorithm.md sections 2-4."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from ebpo_lite.advantages import (
+from ebpo_lite.algo.advantages import (
     ESTIMATORS,
     EBPrior,
     Welford,

@@ -62,7 +62,7 @@ def test_the_api_names_import_from_the_package_without_torch():
 def test_the_train_and_export_modules_do_not_shadow_the_functions():
     """Importing `ebpo_lite.train` sets the package attribute `train` to that module: the API's
     names differ from the modules', so they stay the functions whatever was imported."""
-    import ebpo_lite.export
+    import ebpo_lite.commands.export
     import ebpo_lite.train  # noqa: F401
 
     assert ebpo_lite.train_run is api.train_run and ebpo_lite.export_run is api.export_run
@@ -230,7 +230,7 @@ def test_train_run_and_export_run_are_as_quiet_as_the_command_line(tmp_path):
         "cfg = load_config('tiny_cpu', fast_overrides(out / 'api', **over))\n"
         "export_run(train_run(cfg))\n"
         "print('=== direct', file=sys.stderr, flush=True)\n"
-        "from ebpo_lite.run import load_policy\n"
+        "from ebpo_lite.engine.run import load_policy\n"
         "load_policy(cfg)\n"
     )
     proc = _python(code, timeout=600)

@@ -5,10 +5,10 @@ through the chat template instead of raw text, scored by `math_answer`."""
 from __future__ import annotations
 
 from ebpo_lite import config, rewards
-from ebpo_lite.data import describe_source, encode_prompt, load_train_eval
-from ebpo_lite.prompts import DEFAULT_SYSTEM_PROMPT, format_prompt
-from ebpo_lite.run import reward_functions
-from ebpo_lite.tiny import build_tokenizer
+from ebpo_lite.data.loader import describe_source, encode_prompt, load_train_eval
+from ebpo_lite.data.prompts import DEFAULT_SYSTEM_PROMPT, format_prompt
+from ebpo_lite.engine.run import reward_functions
+from ebpo_lite.model.tiny import build_tokenizer
 
 
 def _data(name: str):

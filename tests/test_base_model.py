@@ -1,4 +1,4 @@
-"""`model.name: smollm2` and `.gguf` files (`ebpo_lite/base_model.py`), the parts that need no
+"""`model.name: smollm2` and `.gguf` files (`ebpo_lite/model/base_model.py`), the parts that need no
 conversion: the missing package or file is one line before anything loads, the GGUF is found
 inside the installed distribution without importing its module, and the cache folder is keyed by
 the file's bytes. The conversion and the model itself: tests/test_smollm2.py (slow tier)."""
@@ -10,9 +10,10 @@ import sys
 
 import pytest
 
-from ebpo_lite import base_model, config
-from ebpo_lite.checks import model_name
+from ebpo_lite import config
 from ebpo_lite.errors import ConfigError
+from ebpo_lite.model import base_model
+from ebpo_lite.model.base_model import model_name
 from ebpo_lite.train import main
 from tests.conftest import TINY_RECIPE
 

@@ -11,7 +11,7 @@ import pickle
 import pytest
 import torch
 
-from ebpo_lite import checkpoint
+from ebpo_lite.engine import checkpoint
 from ebpo_lite.train import main
 from tests.conftest import REPO, TINY_RECIPE, fast_overrides
 
@@ -111,7 +111,7 @@ def test_too_little_disk_is_refused_before_the_model_loads(tmp_path, capsys, mon
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=1 << 20))
     loaded = []
-    import ebpo_lite.run as run_mod
+    import ebpo_lite.engine.run as run_mod
 
     monkeypatch.setattr(run_mod, "load_policy", lambda *a, **k: loaded.append(1))
     status, err = _run(tmp_path / "run", capsys, **{"train.keep_checkpoints": 3})

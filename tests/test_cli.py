@@ -19,14 +19,19 @@ import pytest
 import yaml
 
 import ebpo_lite
-from ebpo_lite import catalog, config, confighelp, plan
+from ebpo_lite import catalog, config
 from ebpo_lite import train as train_module
 from ebpo_lite.__main__ import COMMANDS, LABELS, main
+from ebpo_lite.commands import confighelp
 from ebpo_lite.errors import ConfigError
+from ebpo_lite.model import plan
 from tests.conftest import REPO
 
 RECIPE_FILES = sorted((REPO / "recipes").glob("*.yaml"))
-BEING_WRITTEN = {"ebpo_lite.plot", "ebpo_lite.export"}  # issue 15: another branch adds them
+BEING_WRITTEN = {
+    "ebpo_lite.commands.plot",
+    "ebpo_lite.commands.export",
+}  # issue 15: another branch adds them
 
 
 # ----------------------------------------------------------------------------- dispatch
@@ -60,9 +65,9 @@ def test_every_command_module_has_a_main():
     "argv, module",
     [
         (["eval", "--help"], "ebpo_lite.eval"),
-        (["plan", "--help"], "ebpo_lite.plan"),
-        (["label", "difficulty", "--help"], "ebpo_lite.difficulty"),
-        (["label", "topics", "--help"], "ebpo_lite.topics"),
+        (["plan", "--help"], "ebpo_lite.model.plan"),
+        (["label", "difficulty", "--help"], "ebpo_lite.commands.difficulty"),
+        (["label", "topics", "--help"], "ebpo_lite.data.topics"),
     ],
 )
 def test_commands_reach_their_module_and_say_how_they_were_started(argv, module, capsys):
@@ -188,7 +193,7 @@ def _header(path: Path) -> list[str]:
 def test_every_recipe_header_names_its_gpu_and_memory(path):
     header = _header(path)
     assert any(h.startswith("GPU: ") for h in header), f"{path.name}: no '# GPU:' line"
-    planned = [h for h in header if h.startswith("Memory (python -m ebpo_lite.plan ")]
+    planned = [h for h in header if h.startswith("Memory (ebpo-lite plan ")]
     noted = [h for h in header if h.startswith("Memory: ")]
     assert len(planned) + len(noted) == 1, f"{path.name}: needs one '# Memory' line"
 
@@ -354,7 +359,7 @@ def test_wheel_ships_recipes_notebooks_and_the_console_script(tmp_path):
     assert f"{site / 'ebpo_lite' / 'recipes'}/NAME.yaml" in r.stdout
     assert all(p.stem in r.stdout for p in RECIPE_FILES)
     r = subprocess.run(
-        [sys.executable, "-m", "ebpo_lite.plan", "recipes/qwen3_8b_lora.yaml", "--gpu", "24"],
+        [sys.executable, "-m", "ebpo_lite.model.plan", "recipes/qwen3_8b_lora.yaml", "--gpu", "24"],
         cwd=away, env=env, capture_output=True, text=True,
     )  # fmt: skip
     assert r.returncode == 0 and "fits" in r.stdout, r.stderr

@@ -22,8 +22,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ebpo_lite import checkpoint
-from ebpo_lite.metrics import read_metrics
+from ebpo_lite.engine import checkpoint
+from ebpo_lite.engine.metrics import read_metrics
 from ebpo_lite.train import train
 from tests.conftest import REPO, TINY_RECIPE, fast_overrides
 

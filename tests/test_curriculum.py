@@ -1,4 +1,4 @@
-"""Tests of ebpo_lite.curriculum: determinism, coverage, ordering, resume, adaptive, DAPO filter."""
+"""Tests of ebpo_lite.algo.curriculum: determinism, coverage, ordering, resume, adaptive, DAPO filter."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from ebpo_lite.curriculum import (
+from ebpo_lite.algo.curriculum import (
     SAMPLERS,
     PromptSampler,
     informative_groups,

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ebpo_lite import device as dev
 from ebpo_lite.errors import ConfigError
+from ebpo_lite.model import device as dev
 
 CPU = torch.device("cpu")
 GPU = torch.device("cuda", 0)

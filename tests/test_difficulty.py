@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from ebpo_lite import config, data
-from ebpo_lite.difficulty import main, pass_rates
+from ebpo_lite import config
+from ebpo_lite.commands.difficulty import main, pass_rates
+from ebpo_lite.data import loader as data
 from tests.conftest import TINY_RECIPE
 
 

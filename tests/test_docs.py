@@ -13,7 +13,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ebpo_lite import advantages, config, labels
+from ebpo_lite import config
+from ebpo_lite.algo import advantages
+from ebpo_lite.engine import labels
 from tests.conftest import REPO
 from tests.test_readme import _fields, keys_named
 

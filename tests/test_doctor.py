@@ -18,8 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ebpo_lite import checks, doctor, stack
 from ebpo_lite.__main__ import main as front_door
+from ebpo_lite.commands import doctor
+from ebpo_lite.engine import checks
+from ebpo_lite.rollout import stack
 from tests.conftest import REPO
 
 no_cuda_here = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -95,7 +97,7 @@ def test_every_refusal_is_listed_not_only_the_first(capsys, tmp_path, monkeypatc
 
 def test_a_recipe_that_does_not_fit_the_gpu_here_is_a_problem(capsys, tmp_path, monkeypatch):
     """CUDA faked: one 24 GB L4 (22.5 GiB as the driver reports it), 20 GiB free."""
-    monkeypatch.setattr("ebpo_lite.device._cuda_available", lambda: True)
+    monkeypatch.setattr("ebpo_lite.model.device._cuda_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 9))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA L4")

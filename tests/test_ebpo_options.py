@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from ebpo_lite.advantages import EBPO_EPS, EBPrior, ebpo_advantages
+from ebpo_lite.algo.advantages import EBPO_EPS, EBPrior, ebpo_advantages
 
 F64 = torch.float64
 HISTORY = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])

@@ -177,7 +177,7 @@ def test_eval_cli_user_errors(tmp_path, capsys):
 
 def test_in_training_benchmark_eval(tmp_path):
     """eval.benchmarks inside training: eval/<bench>/pass@1 etc. are logged."""
-    from ebpo_lite.metrics import read_metrics
+    from ebpo_lite.engine.metrics import read_metrics
 
     out = tmp_path / "run"
     extra = {"train.steps": 1, "eval.benchmarks": "[arithmetic]", "eval.k": 2,
@@ -192,10 +192,10 @@ def test_in_training_benchmark_eval(tmp_path):
 def test_in_training_eval_is_chunked_and_greedy_does_not_depend_on_the_chunks(tmp_path):
     """The transformers eval takes the planner's chunk size (fixed on CPU) and greedy decoding
     gives the same completions in chunks of 3 prompts as in one call."""
-    from ebpo_lite import plan
-    from ebpo_lite.data import encode_prompt
+    from ebpo_lite.data.loader import encode_prompt
+    from ebpo_lite.engine.run import build_run
+    from ebpo_lite.model import plan
     from ebpo_lite.rollout.hf import HFRollout
-    from ebpo_lite.run import build_run
     from ebpo_lite.train_eval import eval_sampler, evaluate_policy
 
     run = build_run(config.load(TINY_RECIPE, fast_overrides(tmp_path / "run")))

@@ -1,4 +1,4 @@
-"""`ebpo_lite.export`: the complete adapter, the merged weights, the model card, the hub upload.
+"""`ebpo_lite.commands.export`: the complete adapter, the merged weights, the model card, the hub upload.
 
 One real tiny run (norms trained, `model.trainable_extra: [norm]`) is exported; the trained
 policy's logits (the run's policy with its checkpoint loaded, as `ebpo_lite.eval` builds it) are
@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ebpo_lite import config
+from ebpo_lite.commands.export import export_run, main
 from ebpo_lite.errors import UserError
 from ebpo_lite.eval import load_policy
-from ebpo_lite.export import export_run, main
 from ebpo_lite.train import train
 from tests.conftest import REPO, TINY_RECIPE, fast_overrides
 
@@ -148,7 +148,7 @@ def test_push_to_hub_offline_fails_after_a_complete_export(run, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     args = [str(run), "--out", str(out), "--push-to-hub", "someone/ebpo-tiny"]
     proc = subprocess.run(
-        [sys.executable, "-m", "ebpo_lite.export", *args],
+        [sys.executable, "-m", "ebpo_lite.commands.export", *args],
         capture_output=True,
         text=True,
         env=env,
@@ -186,7 +186,7 @@ def test_a_failure_midway_keeps_the_earlier_export_and_leaves_no_partial(
 ):
     """The export is built beside --out and renamed over it only when whole: a failure while
     writing (here the model card's final-eval read) leaves the earlier export as it was."""
-    from ebpo_lite import export
+    from ebpo_lite.commands import export
 
     out = tmp_path / "x"
     assert main([str(run), "--out", str(out)]) == 0

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import pytest
 
 from ebpo_lite import rewards
+from ebpo_lite.data.example import Example
 from ebpo_lite.eval import eval_examples, majority_vote, summarize
-from ebpo_lite.example import Example
 from ebpo_lite.rewards import judge_math, math_answer
 from ebpo_lite.rewards.extract import TAIL_CHARS, verify_tail
 

@@ -14,9 +14,11 @@ import math
 import pytest
 import torch
 
-from ebpo_lite import config, faults, loss
-from ebpo_lite.metrics import read_metrics
-from ebpo_lite.run import build_run
+from ebpo_lite import config
+from ebpo_lite.algo import loss
+from ebpo_lite.engine import faults
+from ebpo_lite.engine.metrics import read_metrics
+from ebpo_lite.engine.run import build_run
 from ebpo_lite.train import main, train, train_step
 from tests.conftest import REPO, TINY_RECIPE, fast_overrides
 
@@ -129,7 +131,7 @@ def test_fault_skips_the_step_and_changes_nothing(tmp_path, monkeypatch, reason,
 
 def test_skips_are_counted_and_training_continues(tmp_path, monkeypatch):
     """Steps 2 and 3 meet inf rewards: logged as skipped, the run finishes, counts resume."""
-    from ebpo_lite import run as run_mod
+    from ebpo_lite.engine import run as run_mod
 
     score = run_mod.Run.score
     calls = [0]
@@ -153,7 +155,7 @@ def test_skips_are_counted_and_training_continues(tmp_path, monkeypatch):
 def test_consecutive_faults_stop_with_one_line(tmp_path, monkeypatch, capsys):
     """train.max_consecutive_skips in a row: exit 3, one line naming the cause, and the
     checkpoint written before the faults is left as it was."""
-    from ebpo_lite import run as run_mod
+    from ebpo_lite.engine import run as run_mod
 
     out = tmp_path / "run"
     args = fast_overrides(out, **{"train.steps": 2, "train.checkpoint_every": 2})
@@ -187,7 +189,7 @@ def _always_nan(score):
 
 def test_undo_restores_prompt_histories_exactly():
     """`EBPrior.snapshot` / `restore` with prompt histories, decay and keys, through evictions."""
-    from ebpo_lite.ebprior import EBPrior
+    from ebpo_lite.algo.ebprior import EBPrior
 
     prior = EBPrior(decay=0.9, prompt_prior=True, prompt_capacity=5, min_count=1)
     g = torch.Generator().manual_seed(0)

@@ -5,7 +5,7 @@ errors on the way (issue 15).
   progress line and the summary show the final eval, not an older one;
 - the hub's download bars stay on while the rest of transformers stays quiet;
 - `data.labels_path`: a missing file names the exact command that writes it (and that command
-  works); `auto` makes the labels in the run with `ebpo_lite.difficulty`'s code, reuses them, and
+  works); `auto` makes the labels in the run with `ebpo_lite.commands.difficulty`'s code, reuses them, and
   gives what the command gives;
 - presets and benchmarks come from a local data folder when one holds them, else from the hub;
   offline without a cached copy is one line naming the hub id and the setting to use instead.
@@ -23,7 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from ebpo_lite import config, data, labels, mathdata
+from ebpo_lite import config
+from ebpo_lite.data import loader as data
+from ebpo_lite.data import mathdata
+from ebpo_lite.engine import labels
 from ebpo_lite.errors import ConfigError
 from tests.conftest import REPO, SHARED_DATA, TINY_RECIPE, fast_overrides
 
@@ -100,7 +103,7 @@ def test_hub_download_bars_stay_on_and_transformers_bars_off():
 
 
 def test_missing_labels_file_names_the_command_that_writes_it(tmp_path, capsys):
-    from ebpo_lite.difficulty import main as difficulty_main
+    from ebpo_lite.commands.difficulty import main as difficulty_main
 
     out = tmp_path / "my labels.jsonl"
     over = [f"output_dir={tmp_path / 'run'}", "model.sft_warmup_steps=100", "data.num_train=6",
@@ -110,13 +113,13 @@ def test_missing_labels_file_names_the_command_that_writes_it(tmp_path, capsys):
         labels.check_path(cfg)
     msg = str(e.value)
     want = (
-        f"python -m ebpo_lite.difficulty {TINY_RECIPE} model.sft_warmup_steps=100 "
+        f"ebpo-lite label difficulty {TINY_RECIPE} model.sft_warmup_steps=100 "
         f"data.num_train=6 curriculum.sampler=difficulty --out '{out}'"
     )
     assert msg.startswith(f"data.labels_path: {out} not found; write it first with: {want} (")
     assert "data.labels_path=auto" in msg and "\n" not in msg
     topic = config.load(TINY_RECIPE, [*over, "curriculum.sampler=topic"])
-    assert f"python -m ebpo_lite.topics {TINY_RECIPE} " in labels.command(topic, str(out))
+    assert f"ebpo-lite label topics {TINY_RECIPE} " in labels.command(topic, str(out))
     # the command works as printed: then the run's check passes and the labels apply
     argv = shlex.split(want)[3:]
     assert difficulty_main(argv) == 0 and len(_rows(out)) == 6
@@ -127,9 +130,9 @@ def test_missing_labels_file_names_the_command_that_writes_it(tmp_path, capsys):
 
 def test_labels_auto_makes_reuses_and_equals_the_command(tmp_path, capsys):
     """`data.labels_path=auto` on the tiny task: pass rates sampled by the run's own sampler into
-    the cache, reused by the next run, the same as `python -m ebpo_lite.difficulty` writes."""
-    from ebpo_lite.difficulty import main as difficulty_main
-    from ebpo_lite.run import build_run
+    the cache, reused by the next run, the same as `ebpo-lite label difficulty` writes."""
+    from ebpo_lite.commands.difficulty import main as difficulty_main
+    from ebpo_lite.engine.run import build_run
 
     over = fast_overrides(
         tmp_path / "run", **{"data.num_train": 12, "data.labels_path": "auto",

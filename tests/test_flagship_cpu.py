@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file
 
 from ebpo_lite import config
-from ebpo_lite.metrics import read_metrics
+from ebpo_lite.engine.metrics import read_metrics
 from ebpo_lite.train import train
 from tests.conftest import REPO
 
@@ -56,7 +56,7 @@ SHRUNK = {
     "data.name": ("arithmetic", "GSM8K needs the data files; the built-in task needs none"),
     "data.labels_path": (
         "null",
-        "the pass-rate file comes from the 8B model (ebpo_lite.difficulty); the arithmetic "
+        "the pass-rate file comes from the 8B model (ebpo_lite.commands.difficulty); the arithmetic "
         "problems carry difficulty levels, so curriculum.sampler=difficulty stays",
     ),
     "data.num_train": (200, "CPU time: 12 prompts are drawn in all"),
@@ -87,7 +87,7 @@ def small_qwen3(tmp_path_factory) -> Path:
     for CI's time: on CPUs without AVX512-BF16, bf16 matmuls run a generic kernel and this test
     took 467 s of a 40-minute CI at hidden 256.
     """
-    from ebpo_lite.tiny import save_random_qwen3
+    from ebpo_lite.model.tiny import save_random_qwen3
 
     shape = {  # over tiny_config_kwargs: vocab 128 and the special ids of the tiny tokenizer
         "hidden_size": 128,
@@ -128,7 +128,7 @@ def _check_policy_shape(cfg: config.Config) -> None:
     """NF4 base in bf16, LoRA r 32 on all 14 linear layers, checkpointing on, lm_head not 4-bit."""
     import bitsandbytes as bnb
 
-    from ebpo_lite.policy import Policy
+    from ebpo_lite.model.policy import Policy
 
     policy = Policy.from_config(cfg, log=lambda *a: None)
     four_bit = {n: m for n, m in policy.model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}

@@ -1,4 +1,4 @@
-"""float16 compute learns: dynamic loss scaling (issue 30, part 2; ebpo_lite/scaler.py).
+"""float16 compute learns: dynamic loss scaling (issue 30, part 2; ebpo_lite/model/scaler.py).
 
 The gradient test runs the trainer's own loss path (`completion_logprobs`, `loss.policy_loss`,
 `loss.microbatch_weight`) on a random Qwen3 at Qwen3's vocabulary (151,936) with a token-mean
@@ -14,7 +14,7 @@ Tolerance: the LoRA gradients in fp16 against the same weights in fp32, worst te
 L2 error. Rounding alone makes an error proportional to the unit roundoff; bfloat16 rounds like
 float16 with 3 fewer significand bits (2^-8 vs 2^-11) and has float32's exponent range, so it
 cannot underflow here: its error, measured in the same test, divided by 8 is float16's rounding
-floor. The bound is 3x that floor (ebpo_lite/qlora_check.py's FLOOR_FACTOR). Measured on CPU:
+floor. The bound is 3x that floor (ebpo_lite/commands/qlora_check.py's FLOOR_FACTOR). Measured on CPU:
 bf16 0.0174, so floor 0.0022 and bound 0.0065; fp16 with scaling 0.0021 (the same, 0.0020-0.0022,
 at any scale from 2^12 to 2^24); fp16 without scaling 0.47, 72x the bound.
 
@@ -28,12 +28,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ebpo_lite import config, faults, loss
-from ebpo_lite import scaler as scaler_mod
+from ebpo_lite import config
+from ebpo_lite.algo import loss
+from ebpo_lite.engine import faults
+from ebpo_lite.engine.metrics import read_metrics
 from ebpo_lite.errors import ConfigError, TrainingFault
-from ebpo_lite.metrics import read_metrics
-from ebpo_lite.policy import completion_logprobs, make_batch
-from ebpo_lite.scaler import LossScaler
+from ebpo_lite.model import scaler as scaler_mod
+from ebpo_lite.model.policy import completion_logprobs, make_batch
+from ebpo_lite.model.scaler import LossScaler
 from tests.conftest import TINY_RECIPE, fast_overrides
 
 V, TOKENS = 151_936, 20_000  # Qwen3's vocabulary; the token-mean's mini-batch (qwen3_4b_t4)
@@ -225,7 +227,7 @@ def test_the_t4_combination_gets_fp32_lora_and_loss_scaling(tmp_path):
     """NF4 base computing in float16 (recipes/qwen3_4b_t4.yaml): peft's LoRA tensors are fp32
     and the scaler is on; norms trained in float16 are refused before the model loads."""
     pytest.importorskip("bitsandbytes")
-    from ebpo_lite.policy import Policy
+    from ebpo_lite.model.policy import Policy
 
     policy = Policy.from_config(_fp16(tmp_path / "nf4", **{"model.load_in_4bit": "true"}))
     assert {p.dtype for p in policy.trainable_parameters()} == {torch.float32}

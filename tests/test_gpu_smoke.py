@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ebpo_lite import config
-from ebpo_lite.qlora_check import LARGE_LAYERS, LARGE_SHAPE
+from ebpo_lite.commands.qlora_check import LARGE_LAYERS, LARGE_SHAPE
 
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("gpu_smoke", REPO / "scripts" / "gpu_smoke.py")

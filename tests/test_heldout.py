@@ -14,7 +14,9 @@ import textwrap
 
 import pytest
 
-from ebpo_lite import config, data, startup
+from ebpo_lite import config
+from ebpo_lite.data import loader as data
+from ebpo_lite.engine import startup
 from ebpo_lite.errors import ConfigError, UserError
 from ebpo_lite.eval import HELD_OUT, benchmark_examples, main
 from ebpo_lite.train import train

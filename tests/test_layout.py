@@ -105,7 +105,7 @@ def test_the_front_door_and_the_package_import_without_torch():
         "import sys, ebpo_lite, ebpo_lite.__main__\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
         "from ebpo_lite import EBPrior, ebpo_advantages\n"
-        "assert ebpo_advantages.__module__ == 'ebpo_lite.advantages' and 'torch' in sys.modules\n"
+        "assert ebpo_advantages.__module__ == 'ebpo_lite.algo.advantages' and 'torch' in sys.modules\n"
         "try:\n"
         "    ebpo_lite.no_such_name\n"
         "except AttributeError as e:\n"

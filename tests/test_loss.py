@@ -1,4 +1,4 @@
-"""Tests of ebpo_lite.loss against hand-computed values."""
+"""Tests of ebpo_lite.algo.loss against hand-computed values."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ebpo_lite.loss import (
+from ebpo_lite.algo.loss import (
     aggregate,
     k3_kl,
     masked_mean,

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from ebpo_lite import config
-from ebpo_lite import loss_types as lt
+from ebpo_lite.algo import loss_types as lt
+from ebpo_lite.algo.loss import aggregate, drop_truncated, microbatch_weight, policy_loss
+from ebpo_lite.algo.loss_keys import AGGREGATION, LOSS_AGG_ALIAS, LOSS_TYPES, loss_type_of
+from ebpo_lite.engine.metrics import read_metrics
 from ebpo_lite.errors import ConfigError
-from ebpo_lite.loss import aggregate, drop_truncated, microbatch_weight, policy_loss
-from ebpo_lite.loss_keys import AGGREGATION, LOSS_AGG_ALIAS, LOSS_TYPES, loss_type_of
-from ebpo_lite.metrics import read_metrics
 from tests.conftest import TINY_RECIPE, fast_overrides
 
 torch.set_num_threads(1)
@@ -241,7 +241,7 @@ def test_loss_agg_and_loss_type_that_agree_are_accepted():
 
 
 def test_help_lists_the_loss_keys():
-    from ebpo_lite.confighelp import train_help
+    from ebpo_lite.commands.confighelp import train_help
 
     text = train_help()
     for key in ("algo.loss_type", "algo.delta", "algo.mask_truncated_completions"):

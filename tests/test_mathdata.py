@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from ebpo_lite import mathdata, prompts
 from ebpo_lite.config import DataConfig
-from ebpo_lite.data import Example
+from ebpo_lite.data import mathdata, prompts
+from ebpo_lite.data.loader import Example
 from ebpo_lite.errors import UserError
 from ebpo_lite.rewards import math_answer
 from tests.conftest import DATA
@@ -278,7 +278,7 @@ TINY_TEMPLATE = (
 
 
 def test_format_prompt_plain_and_chat_with_thinking_switch():
-    from ebpo_lite.tiny import build_tokenizer
+    from ebpo_lite.model.tiny import build_tokenizer
 
     tok = build_tokenizer()
     ex = Example(prompt="What is 1+1?", answer="2")

@@ -76,7 +76,7 @@ def _hide(module: str) -> Callable[[Path, pytest.MonkeyPatch], None]:
 
 
 def _two_cores(tmp: Path, mp: pytest.MonkeyPatch) -> None:
-    mp.setattr("ebpo_lite.checks.cpu_cores", lambda: 2)
+    mp.setattr("ebpo_lite.engine.checks.cpu_cores", lambda: 2)
     _hide("vllm")(tmp, mp)
 
 
@@ -219,8 +219,8 @@ MISTAKES = [
     Mistake("data_all_answers_null", (R, "data.path={tmp}/d.jsonl"), "d.jsonl: no usable examples", "data.answer_field", _jsonl("d.jsonl", '{"problem": "1+1?", "answer": null}')),
     Mistake("data_schema_unknown", (R, "data.path={tmp}/d.jsonl"), "d.jsonl: cannot guess the schema", "set data.preset", _jsonl("d.jsonl", '{"q": "1+1?", "a": "2"}')),
     Mistake("data_generic_field_missing", (R, "data.path={tmp}/d.jsonl", "data.prompt_field=text", "data.answer_field=gold"), "d.jsonl:1: text: missing field", "fix the row", _jsonl("d.jsonl", '{"problem": "1+1?", "answer": "2"}')),
-    Mistake("labels_missing", (R, "data.labels_path={tmp}/labels.jsonl"), "data.labels_path", f"python -m ebpo_lite.difficulty {R} --out {{tmp}}/labels.jsonl", None),
-    Mistake("labels_missing_topic", (R, "curriculum.sampler=topic", "data.labels_path={tmp}/t.jsonl"), "data.labels_path", f"python -m ebpo_lite.topics {R} curriculum.sampler=topic --out {{tmp}}/t.jsonl", None),
+    Mistake("labels_missing", (R, "data.labels_path={tmp}/labels.jsonl"), "data.labels_path", f"ebpo-lite label difficulty {R} --out {{tmp}}/labels.jsonl", None),
+    Mistake("labels_missing_topic", (R, "curriculum.sampler=topic", "data.labels_path={tmp}/t.jsonl"), "data.labels_path", f"ebpo-lite label topics {R} curriculum.sampler=topic --out {{tmp}}/t.jsonl", None),
     Mistake("preset_without_shared_data", (R, "data.name=aime"), "data.name", "set EBPO_LITE_DATA", _no_shared_data),
     Mistake("preset_offline_without_local_copy", (R, "data.name=gsm8k"), "openai/gsm8k", "folder holding gsm8k/train.jsonl", _both(_no_shared_data, _offline)),
     Mistake("hub_dataset_offline", (R, "data.name=nobody/no-such-dataset"), "data.name", "set data.path", _offline),

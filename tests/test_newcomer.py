@@ -20,7 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from ebpo_lite import checks
+from ebpo_lite.engine import checks
 from ebpo_lite.errors import ConfigError
 from tests.conftest import REPO
 from tests.test_mistakes import set_hub_endpoint, unreachable_hub
@@ -187,7 +187,8 @@ def user_rewards(tmp_path, monkeypatch):
     monkeypatch.delitem(sys.modules, "newcomer_rewards", raising=False)
     rows = [f'{{"problem": "{i}+1?", "answer": "{i + 1}", "level": {i % 3 + 1}}}' for i in range(4)]
     (tmp_path / "d.jsonl").write_text("\n".join(rows) + "\n")
-    from ebpo_lite import config, mathdata
+    from ebpo_lite import config
+    from ebpo_lite.data import mathdata
 
     cfg = config.load(REPO / R, [f"data.path={tmp_path / 'd.jsonl'}"])
     return mathdata.load_examples(cfg.data)

@@ -1,6 +1,6 @@
 """Gradients through the NF4 (bitsandbytes 4-bit) base are right, on CPU (issue 14, part 1).
 
-The check itself is `ebpo_lite.qlora_check` (its docstring gives the reference, the shapes and
+The check itself is `ebpo_lite.commands.qlora_check` (its docstring gives the reference, the shapes and
 the bounds); scripts/gpu_smoke.py runs the same check on CUDA. Here it runs on CPU, where the
 trap it was written for lives: bitsandbytes 0.50.2 on AVX512-BF16 CPUs repacks a `Linear4bit`
 at its first eval-mode no-grad forward, after which the layer passes no gradient to its input
@@ -24,9 +24,9 @@ import torch
 
 bnb = pytest.importorskip("bitsandbytes")
 
-from ebpo_lite import policy as policy_module  # noqa: E402
-from ebpo_lite import qlora_check  # noqa: E402
-from ebpo_lite.tiny import save_random_qwen3  # noqa: E402
+from ebpo_lite.commands import qlora_check  # noqa: E402
+from ebpo_lite.model import policy as policy_module  # noqa: E402
+from ebpo_lite.model.tiny import save_random_qwen3  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from ebpo_lite import config
+from ebpo_lite.engine.run import build_run
 from ebpo_lite.rewards import arithmetic_answer
-from ebpo_lite.run import build_run
 from ebpo_lite.train import train_step
 from tests.conftest import TINY_RECIPE, fast_overrides
 

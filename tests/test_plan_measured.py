@@ -48,11 +48,11 @@ def test_every_planned_component_within_20_percent_of_the_allocator(measured):
 @pytest.mark.parametrize(
     "module,name",
     [
-        ("ebpo_lite.memory", "nf4_bytes"),
-        ("ebpo_lite.plan", "base_weight_bytes"),
-        ("ebpo_lite.plan", "lora_param_count"),
-        ("ebpo_lite.memory", "layer_bytes_per_token"),
-        ("ebpo_lite.memory", "logits_bytes"),
+        ("ebpo_lite.model.memory", "nf4_bytes"),
+        ("ebpo_lite.model.plan", "base_weight_bytes"),
+        ("ebpo_lite.model.plan", "lora_param_count"),
+        ("ebpo_lite.model.memory", "layer_bytes_per_token"),
+        ("ebpo_lite.model.memory", "logits_bytes"),
     ],
 )
 def test_a_planner_term_off_by_2x_is_caught(measured, monkeypatch, module, name):
@@ -72,7 +72,7 @@ def test_cpu_completion_logits_never_copy_the_lm_head_weight():
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from ebpo_lite.policy import completion_logits, make_batch
+    from ebpo_lite.model.policy import completion_logits, make_batch
 
     spec = dict(vocab_size=32_000, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=64)  # fmt: skip

@@ -1,4 +1,4 @@
-"""`ebpo_lite.plot`: figures from real tiny runs, EBPO (with evals) against GRPO (without)."""
+"""`ebpo_lite.commands.plot`: figures from real tiny runs, EBPO (with evals) against GRPO (without)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import shutil
 import pytest
 
 from ebpo_lite import config
-from ebpo_lite.metrics import read_metrics
-from ebpo_lite.plot import FIGURES, build_figures, load_runs, main, plot_runs
+from ebpo_lite.commands.plot import FIGURES, build_figures, load_runs, main, plot_runs
+from ebpo_lite.engine.metrics import read_metrics
 from ebpo_lite.train import train
 from tests.conftest import TINY_RECIPE, fast_overrides
 

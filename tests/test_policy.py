@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ebpo_lite.policy import completion_logits, completion_logprobs, make_batch
-from ebpo_lite.tiny import build_tiny_model, build_tokenizer
+from ebpo_lite.model.policy import completion_logits, completion_logprobs, make_batch
+from ebpo_lite.model.tiny import build_tiny_model, build_tokenizer
 
 
 def _naive_logprobs(model, prompt: list[int], completion: list[int]) -> list[float]:
@@ -53,7 +53,7 @@ def _lora_model(dtype=torch.float32, hidden_size=None):
     if hidden_size:  # a hidden size unlike the vocabulary's, so shapes tell the two apart
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
-        from ebpo_lite.tiny import tiny_config_kwargs
+        from ebpo_lite.model.tiny import tiny_config_kwargs
 
         torch.manual_seed(3)
         base = Qwen3ForCausalLM(Qwen3Config(**{**tiny_config_kwargs(), "hidden_size": hidden_size}))

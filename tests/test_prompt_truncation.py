@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from ebpo_lite.config import DataConfig
-from ebpo_lite.data import Example, encode_prompt, encode_prompts
+from ebpo_lite.data.loader import Example, encode_prompt, encode_prompts
 from ebpo_lite.errors import ConfigError
-from ebpo_lite.tiny import build_tokenizer
+from ebpo_lite.model.tiny import build_tokenizer
 from tests.test_mathdata import TINY_TEMPLATE
 
 HEAD, TAIL = "<system>Box it.\n<user>", "\n<assistant>"  # thinking on: no empty think block

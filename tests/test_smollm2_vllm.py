@@ -18,9 +18,9 @@ import torch
 pytest.importorskip("vllm")
 
 from ebpo_lite import config  # noqa: E402
-from ebpo_lite.data import encode_prompt  # noqa: E402
+from ebpo_lite.data.example import Example  # noqa: E402
+from ebpo_lite.data.loader import encode_prompt  # noqa: E402
 from ebpo_lite.eval import load_policy  # noqa: E402
-from ebpo_lite.example import Example  # noqa: E402
 from ebpo_lite.rollout.vllm import VLLMRollout  # noqa: E402
 from ebpo_lite.train import train  # noqa: E402
 from tests import smollm2_common as common  # noqa: E402

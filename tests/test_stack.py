@@ -17,8 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ebpo_lite import checks, config, stack
+from ebpo_lite import config
+from ebpo_lite.engine import checks
 from ebpo_lite.errors import ConfigError, UserError
+from ebpo_lite.rollout import stack
 from tests.conftest import REPO, TINY_RECIPE
 
 FLAGSHIP = REPO / "recipes" / "qwen3_8b_lora.yaml"
@@ -32,7 +34,7 @@ def _cfg(path: Path = TINY_RECIPE, *overrides: str) -> config.Config:
 
 def _fake_cuda(monkeypatch) -> None:
     """CUDA device queries answer as on one bf16 GPU (none exists on this machine)."""
-    monkeypatch.setattr("ebpo_lite.device._cuda_available", lambda: True)
+    monkeypatch.setattr("ebpo_lite.model.device._cuda_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 9))
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from ebpo_lite import config
-from ebpo_lite.data import arithmetic_examples
-from ebpo_lite.policy import Policy
+from ebpo_lite.data.loader import arithmetic_examples
+from ebpo_lite.model.policy import Policy
 from ebpo_lite.rollout import cut_at_stop, stop_token_ids
 from tests.conftest import TINY_RECIPE, fast_overrides
 

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from ebpo_lite.data import Example, arithmetic_examples, column_arithmetic
+from ebpo_lite.data.loader import Example, arithmetic_examples, column_arithmetic
 from ebpo_lite.train import learned_lines
 from ebpo_lite.train_eval import per_type_means
 
@@ -68,7 +68,7 @@ def test_examples_balance_topics_label_difficulty_and_hold_out_eval():
 
 def test_warmup_slip_teaches_the_slip_target():
     """With slip=1 the warm-up's targets are the slipped answers; with slip=0 the right ones."""
-    from ebpo_lite.tiny import build_tiny_model, build_tokenizer, supervised_warmup
+    from ebpo_lite.model.tiny import build_tiny_model, build_tokenizer, supervised_warmup
 
     tok = build_tokenizer()
     exs = [ex for ex in arithmetic_examples(600, seed=3, split="train") if ex.difficulty > 1][:8]
@@ -125,11 +125,11 @@ def test_a_second_process_waits_for_the_warmup_and_loads_its_copy(tmp_path, monk
     import sys
     import threading
 
-    from ebpo_lite import tiny
+    from ebpo_lite.model import tiny
 
     monkeypatch.setenv("EBPO_LITE_CACHE", str(tmp_path))
     out = tiny.warm_cache_dir(3, 0, 1)
-    code = "from ebpo_lite.tiny import warm_tiny_model; print('->', warm_tiny_model(3, 0, 1))"
+    code = "from ebpo_lite.model.tiny import warm_tiny_model; print('->', warm_tiny_model(3, 0, 1))"
     with open(out.with_name(out.name + ".lock"), "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # as the first process does while it trains
         proc = subprocess.Popen(

@@ -7,8 +7,9 @@ import json
 import pytest
 import torch
 
-from ebpo_lite import config, data
-from ebpo_lite.topics import kmeans, main
+from ebpo_lite import config
+from ebpo_lite.data import loader as data
+from ebpo_lite.data.topics import kmeans, main
 from tests.conftest import SHARED_DATA, TINY_RECIPE
 
 

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from ebpo_lite import config
-from ebpo_lite.metrics import read_metrics
+from ebpo_lite.engine.metrics import read_metrics
 from ebpo_lite.train import train
 from tests.conftest import REPO, TINY_RECIPE, fast_overrides
 
@@ -177,7 +177,7 @@ def test_four_bit_policy_runs(tmp_path):
     train(_cfg(out, **{"model.load_in_4bit": "true", "train.steps": 2}))
     steps = [r for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r]
     assert len(steps) == 2
-    from ebpo_lite.policy import Policy
+    from ebpo_lite.model.policy import Policy
 
     policy = Policy.from_config(_cfg(out, **{"model.load_in_4bit": "true"}))
     import bitsandbytes as bnb
@@ -281,8 +281,8 @@ def test_the_trainer_scores_at_the_rollout_temperature(tmp_path):
     learning rate the PPO ratio (update vs old) is 1 and the KL (update vs reference) is 0 only
     if every call scores at the same temperature.
     """
+    from ebpo_lite.engine.run import build_run
     from ebpo_lite.rollout import Rollout
-    from ebpo_lite.run import build_run
 
     temp, G = 0.7, 4
     cfg = _cfg(
@@ -318,7 +318,7 @@ def test_the_trainer_scores_at_the_rollout_temperature(tmp_path):
 def test_a_resume_names_the_settings_it_changes(tmp_path):
     """Settings the checkpoint does not depend on may change on resume, and are named in one
     line (the per-invocation ones, such as train.stop_after, are not)."""
-    from ebpo_lite import checks
+    from ebpo_lite.engine import checks
 
     out = tmp_path / "run"
     (out / "checkpoints" / "step_2").mkdir(parents=True)
@@ -364,8 +364,8 @@ def test_a_prior_key_the_data_lacks_is_refused_before_the_model_loads(tmp_path, 
 
 
 def test_prior_keys_bin_floats_one_rule_for_the_data():
-    from ebpo_lite.example import Example
-    from ebpo_lite.labels import prior_keys
+    from ebpo_lite.data.example import Example
+    from ebpo_lite.engine.labels import prior_keys
 
     def keys(*values):
         exs = [Example(prompt="p", answer="1", difficulty=v) for v in values]

@@ -20,8 +20,8 @@ import torch
 pytestmark = pytest.mark.trl
 pytest.importorskip("trl")
 
-from ebpo_lite.advantages import EBPrior, ebpo_advantages  # noqa: E402
-from ebpo_lite.curriculum import make_sampler  # noqa: E402
+from ebpo_lite.algo.advantages import EBPrior, ebpo_advantages  # noqa: E402
+from ebpo_lite.algo.curriculum import make_sampler  # noqa: E402
 from ebpo_lite.integrations import trl as ebpo_trl  # noqa: E402
 from ebpo_lite.rewards import arithmetic_answer, combine_rewards  # noqa: E402
 
@@ -35,7 +35,7 @@ def digit_share(completions, **kwargs):
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
-    from ebpo_lite.tiny import build_tiny_model, build_tokenizer
+    from ebpo_lite.model.tiny import build_tiny_model, build_tokenizer
 
     out = tmp_path_factory.mktemp("tiny")
     build_tiny_model(0).save_pretrained(out)
@@ -204,7 +204,7 @@ def test_version_outside_the_tested_range_is_refused(monkeypatch):
 
 
 def test_import_ebpo_lite_does_not_import_trl():
-    code = "import sys, ebpo_lite, ebpo_lite.advantages; print('trl' in sys.modules)"
+    code = "import sys, ebpo_lite, ebpo_lite.algo.advantages; print('trl' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
 

@@ -2,7 +2,7 @@
 
 TRL's own `GRPOTrainer._compute_loss` runs on a tiny model built here, its forward included; the
 test only listens to the per-token log-probs and entropies that forward returns (a pass-through
-wrapper) and hands the very same tensors to `ebpo_lite.loss.policy_loss`. Both losses are then
+wrapper) and hands the very same tensors to `ebpo_lite.algo.loss.policy_loss`. Both losses are then
 functions of one tensor, so value and gradient must agree to float32 round-off. Where the two
 define a loss differently on purpose the test pins the difference (docs/losses.md, "Where this
 differs from TRL"). Needs trl (CI tier `.ci/tier_integrations.sh`); skipped where it is missing.
@@ -16,7 +16,7 @@ import torch
 pytestmark = pytest.mark.trl
 pytest.importorskip("trl")
 
-from ebpo_lite import loss  # noqa: E402
+from ebpo_lite.algo import loss  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -28,7 +28,7 @@ FINISHED = [True, False, True, True, False, True, True, True]  # False: hit MAX 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from ebpo_lite.tiny import build_tiny_model, build_tokenizer
+    from ebpo_lite.model.tiny import build_tiny_model, build_tokenizer
 
     out = tmp_path_factory.mktemp("tiny")
     build_tiny_model(0).save_pretrained(out)

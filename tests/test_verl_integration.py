@@ -17,7 +17,7 @@ import torch
 pytestmark = pytest.mark.verl
 core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
 
-from ebpo_lite.advantages import EBPrior, ebpo_advantages  # noqa: E402
+from ebpo_lite.algo.advantages import EBPrior, ebpo_advantages  # noqa: E402
 from ebpo_lite.integrations import verl as plugin  # noqa: E402
 
 torch.set_num_threads(1)

@@ -31,8 +31,8 @@ pytest.importorskip("vllm")
 pytest.importorskip("vllm_bnb_plugin")  # the vllm tier installs it: a skip there fails the tier
 
 from ebpo_lite import config  # noqa: E402
-from ebpo_lite.data import arithmetic_examples  # noqa: E402
-from ebpo_lite.policy import Policy  # noqa: E402
+from ebpo_lite.data.loader import arithmetic_examples  # noqa: E402
+from ebpo_lite.model.policy import Policy  # noqa: E402
 from ebpo_lite.rollout.vllm import VLLMRollout, cpu_nf4_blocker  # noqa: E402
 from tests.conftest import TINY_RECIPE  # noqa: E402
 
@@ -127,7 +127,7 @@ def test_the_plugin_still_cannot_load_a_float32_engine(tmp_path):
     from bitsandbytes.functional import quantize_4bit
     from vllm_bnb_plugin.quantization.utils import calculate_quant_ratio
 
-    from ebpo_lite.tiny import save_random_qwen3
+    from ebpo_lite.model.tiny import save_random_qwen3
 
     packed, _ = quantize_4bit(torch.randn(256, 128), quant_type="nf4")
     assert packed.shape == (256 * 128 // 2, 1)  # two 4-bit values per byte, in any dtype

@@ -23,9 +23,9 @@ import torch
 pytest.importorskip("vllm")
 
 from ebpo_lite import config  # noqa: E402
-from ebpo_lite.data import arithmetic_examples, encode_prompt  # noqa: E402
+from ebpo_lite.data.loader import arithmetic_examples, encode_prompt  # noqa: E402
 from ebpo_lite.errors import UserError  # noqa: E402
-from ebpo_lite.policy import Policy  # noqa: E402
+from ebpo_lite.model.policy import Policy  # noqa: E402
 from ebpo_lite.rollout import common  # noqa: E402
 from ebpo_lite.rollout.vllm import VLLMRollout  # noqa: E402
 from tests.conftest import REPO, TINY_RECIPE  # noqa: E402
@@ -322,9 +322,9 @@ def test_vllm_backend_learns_like_the_transformers_backend(tmp_path):
 def test_in_training_eval_goes_through_vllm_and_phases_wake_once(tmp_path):
     """Greedy eval through the colocated engine equals transformers' on the fp32 tiny model, with
     the current adapter; the engine is woken once per phase, not once per generate call."""
+    from ebpo_lite.engine.run import build_run
     from ebpo_lite.rewards import arithmetic_answer
     from ebpo_lite.rollout.hf import HFRollout
-    from ebpo_lite.run import build_run
     from ebpo_lite.train import train_step
     from ebpo_lite.train_eval import eval_sampler, evaluate_policy
     from tests.conftest import fast_overrides

@@ -145,8 +145,8 @@ def test_exchange_bytes_counts_two_adapter_versions_and_a_trained_base(tmp_path)
     """From the policy's own parameters (the tiny model with LoRA, fp32)."""
     from transformers import AutoModelForCausalLM
 
-    from ebpo_lite.policy import Policy, _add_lora
-    from ebpo_lite.tiny import save_random_qwen3
+    from ebpo_lite.model.policy import Policy, _add_lora
+    from ebpo_lite.model.tiny import save_random_qwen3
 
     model = AutoModelForCausalLM.from_pretrained(save_random_qwen3(tmp_path / "base"))
     m = config.load(None, ["model.trainable_extra=[norm]"]).model
@@ -163,7 +163,7 @@ def test_exchange_bytes_counts_an_nf4_weight_at_its_16_bit_size_on_disk():
     pytest.importorskip("bitsandbytes")
     from types import SimpleNamespace as NS
 
-    from ebpo_lite.qlora_check import nf4_layer
+    from ebpo_lite.commands.qlora_check import nf4_layer
 
     layer = nf4_layer(torch.randn(64, 128), torch.float32, torch.device("cpu"))
     assert layer.weight.numel() == 64 * 128 // 2  # two 4-bit codes per stored byte

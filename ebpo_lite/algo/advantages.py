@@ -100,8 +100,8 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from ebpo_lite.ebprior import EBPrior, Welford, _key_ids
-from ebpo_lite.groups import F64, frac_zero_std_groups, group_stats
+from ebpo_lite.algo.ebprior import EBPrior, Welford, _key_ids
+from ebpo_lite.algo.groups import F64, frac_zero_std_groups, group_stats
 
 __all__ = [
     "ESTIMATORS",

@@ -60,7 +60,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ebpo_lite.groups import F64, Groups, group_stats
+from ebpo_lite.algo.groups import F64, Groups, group_stats
 
 __all__ = ["EBPrior", "Welford"]
 

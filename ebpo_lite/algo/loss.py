@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import torch
 
-from ebpo_lite import loss_types as lt
+from ebpo_lite.algo import loss_types as lt
 
 AGGREGATIONS = ("token_mean", "seq_mean", "token_sum_norm", "seq_sum")
 IS_MODES = ("none", "token", "sequence")

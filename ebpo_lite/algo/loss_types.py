@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from ebpo_lite.loss_keys import AGGREGATION, CLIPPED, KL_ESTIMATORS, LOSS_TYPES
+from ebpo_lite.algo.loss_keys import AGGREGATION, CLIPPED, KL_ESTIMATORS, LOSS_TYPES
 
 IS_LEVELS = ("token", "sequence")
 LOG_EPS = math.log(1e-8)  # VESPO's clamp of log w (TRL: "matching the original implementation")

@@ -1,6 +1,6 @@
 """Difficulty labels: the base policy's pass rate on every training prompt.
 
-`python -m ebpo_lite.difficulty RECIPE.yaml [section.key=value ...] [--k 16] [--temperature 1.0]
+`ebpo-lite label difficulty RECIPE.yaml [section.key=value ...] [--k 16] [--temperature 1.0]
 [--out FILE]` samples k completions per training prompt with the recipe's model before any
 training (LoRA B starts at zero, so the fresh adapter is the base policy), scores them with the
 recipe's reward functions and writes one JSON line per example, the labels format
@@ -29,17 +29,18 @@ import sys
 from pathlib import Path
 
 from ebpo_lite import cli
+from ebpo_lite.engine.labels import TEMPERATURE, K, check_file, label_prompts, pass_rates
 from ebpo_lite.errors import UserError
-from ebpo_lite.labels import TEMPERATURE, K, check_file, label_prompts, pass_rates
 
 __all__ = ["label", "main", "pass_rates"]
 
 
 def label(args: argparse.Namespace) -> Path:
-    from ebpo_lite import config, data, rewards
+    from ebpo_lite import config, rewards
+    from ebpo_lite.data import loader as data
+    from ebpo_lite.data.jsonl import read_jsonl
+    from ebpo_lite.engine.run import reward_functions
     from ebpo_lite.eval import load_policy, make_sampler
-    from ebpo_lite.jsonl import read_jsonl
-    from ebpo_lite.run import reward_functions
 
     cfg = config.load(args.recipe, args.overrides)
     if args.k < 1 or args.batch_size < 1 or args.temperature <= 0:
@@ -78,7 +79,7 @@ def label(args: argparse.Namespace) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog=cli.prog("python -m ebpo_lite.difficulty"),
+        prog=cli.prog("python -m ebpo_lite.commands.difficulty"),
         description="Per-example pass rates of the base policy, as a labels file.",
     )
     p.add_argument("recipe", help="recipe YAML (its model, data and reward are used)")

@@ -1,6 +1,6 @@
 """Can this machine run this recipe? `ebpo-lite doctor [RECIPE]`: one screen, before anything loads.
 
-    python -m ebpo_lite.doctor [RECIPE [section.key=value ...]] [--gpu NAME_OR_GIB]
+    ebpo-lite doctor [RECIPE [section.key=value ...]] [--gpu NAME_OR_GIB]
 
 Like `trl env` and vLLM's `collect_env`, it reports the machine (Python, torch and CUDA, each
 GPU's name and memory, room in /dev/shm and on the output_dir's disk, whether the Hugging Face
@@ -27,8 +27,9 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ebpo_lite import cli, stack
+from ebpo_lite import cli
 from ebpo_lite.errors import UserError
+from ebpo_lite.rollout import stack
 
 if TYPE_CHECKING:
     from ebpo_lite.config import Config
@@ -51,7 +52,7 @@ def gib_free(path: Path) -> tuple[Path, float] | None:
 def hub_status(url: str = HUB_URL, timeout: float = HUB_TIMEOUT_S) -> str:
     """`offline (...)`, `reachable (0.3 s)` or `unreachable (...)`; never waits past `timeout`
     (the request runs in a daemon thread: a socket timeout does not bound the DNS lookup)."""
-    from ebpo_lite.checks import hub_offline
+    from ebpo_lite.model.base_model import hub_offline
 
     if hub_offline():
         return "offline (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE set): the local cache only"
@@ -76,7 +77,7 @@ def gpu_lines() -> list[str]:
     """torch and CUDA, then one line per visible GPU (name, total and free memory)."""
     import torch
 
-    from ebpo_lite.device import _cuda_available
+    from ebpo_lite.model.device import _cuda_available
 
     cuda = torch.version.cuda or "none"
     lines = [f"torch        {torch.__version__} (CUDA build: {cuda})"]
@@ -132,8 +133,8 @@ def package_lines(s: stack.Stack) -> list[str]:
 def plan_line(cfg: Config, gpu: str | None, info_gpu: str | None) -> tuple[str, str | None]:
     """(the planner's verdict in one line, a problem if it does not fit) on this machine's GPU,
     else on `--gpu`, else on the GPU the recipe's header plans for."""
-    from ebpo_lite import plan
-    from ebpo_lite.device import cuda_memory_gib, cuda_name, resolve_device
+    from ebpo_lite.model import plan
+    from ebpo_lite.model.device import cuda_memory_gib, cuda_name, resolve_device
 
     try:
         dev = resolve_device(cfg.model.device)
@@ -156,7 +157,7 @@ def plan_line(cfg: Config, gpu: str | None, info_gpu: str | None) -> tuple[str, 
     line = f"plan         {peaks} GiB of {p['gpu_gb']:g} ({p['gpu_name']}, {where}): {verdict}"
     problem = None
     if not p["fits"]:
-        advice = "; ".join(p["advice"]) or f"python -m ebpo_lite.plan RECIPE --gpu {gib:g}"
+        advice = "; ".join(p["advice"]) or f"ebpo-lite plan RECIPE --gpu {gib:g}"
         problem = f"plan: {p['model']} does not fit {gib:g} GiB; {advice}"
     return line, problem
 
@@ -172,8 +173,8 @@ def _try(problems: list[str], fn, *args) -> None:
 
 def problems_of(cfg: Config, s: stack.Stack) -> list[str]:
     """Every check `checks.before_load` makes, and every stack refusal, as lines."""
-    from ebpo_lite import checks, labels
-    from ebpo_lite.device import resolve_device
+    from ebpo_lite.engine import checks, labels
+    from ebpo_lite.model.device import resolve_device
 
     found: list[str] = []
     _try(found, checks.output_dir, cfg, lambda _: None)
@@ -227,7 +228,7 @@ class _Parser(argparse.ArgumentParser):
 
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(
-        prog=cli.prog("python -m ebpo_lite.doctor"), description=__doc__.split("\n")[0]
+        prog=cli.prog("python -m ebpo_lite.commands.doctor"), description=__doc__.split("\n")[0]
     )
     parser.add_argument("recipe", nargs="?", help="recipe YAML or a packaged recipe's name")
     parser.add_argument("overrides", nargs="*", help="section.key=value")

@@ -1,4 +1,4 @@
-"""`python -m ebpo_lite.export RUN_DIR [--out DIR] [--checkpoint step_N] [--merge]
+"""`ebpo-lite export RUN_DIR [--out DIR] [--checkpoint step_N] [--merge]
 [--push-to-hub REPO_ID]`: what a user takes away from a run.
 
 The export folder (default `RUN_DIR/export`) holds
@@ -60,8 +60,8 @@ def export_run(
 ) -> Path:
     """Write the export folder of a training run (see the module docstring); returns it."""
     from ebpo_lite import config
-    from ebpo_lite.checkpoint import read_tensors
-    from ebpo_lite.policy import unsaveable_extra
+    from ebpo_lite.engine.checkpoint import read_tensors
+    from ebpo_lite.model.policy import unsaveable_extra
 
     run = Path(run_dir)
     if not (run / "config.yaml").is_file():
@@ -98,8 +98,8 @@ def export_run(
 
 def _write_export(cfg, run: Path, ckpt: Path, out: Path, trained, bad, merge: bool) -> None:
     """The export folder's files, into `out` (see the module docstring)."""
-    from ebpo_lite.checkpoint import step_of
-    from ebpo_lite.policy import add_extra_weights
+    from ebpo_lite.engine.checkpoint import step_of
+    from ebpo_lite.model.policy import add_extra_weights
 
     for name in ("adapter_model.safetensors", "adapter_config.json"):
         shutil.copy2(ckpt / name, out / name)
@@ -132,7 +132,7 @@ def _check_repo_id(repo_id: str) -> None:
 
 
 def _checkpoint(run: Path, name: str | None) -> Path:
-    from ebpo_lite import checkpoint
+    from ebpo_lite.engine import checkpoint
 
     found = checkpoint.list_checkpoints(run)
     if not found:
@@ -159,7 +159,7 @@ def _check_out(out: Path, run: Path) -> Path:
 
 def _local_dir(base: str) -> Path | None:
     """The base model's folder on this machine, or None (a hub id not in the local cache)."""
-    from ebpo_lite.policy import _local_model_dir
+    from ebpo_lite.model.policy import _local_model_dir
 
     try:
         return _local_model_dir(base)
@@ -185,7 +185,7 @@ def merge_adapter(cfg: Any, adapter_dir: Path, out: Path) -> Path:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from ebpo_lite.policy import _nf4_config
+    from ebpo_lite.model.policy import _nf4_config
 
     base = json.loads((adapter_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
     dtype = merge_dtype(cfg.model.dtype, _local_dir(base))
@@ -277,7 +277,7 @@ def model_card(cfg: Any, run: Path, out: Path, info: dict[str, Any], final: dict
             "bnb_4bit_use_double_quant=True)`), or use `merged/` (`--merge`): the base "
             "dequantized, plus the adapter.",
         ]
-    lines += ["", f"Made by `python -m ebpo_lite.export {run}`.", ""]
+    lines += ["", f"Made by `ebpo-lite export {run}`.", ""]
     return "\n".join(lines)
 
 
@@ -313,7 +313,7 @@ def _vllm_lines(base: str, info: dict[str, Any], hub_base: bool) -> list[str]:
         why = (
             "This adapter also holds trained non-LoRA weights (norms). vLLM's LoRA loader "
             'refuses them ("unsupported LoRA weight"), and serving the LoRA part alone would '
-            "give a different model. Serve the merged model (`python -m ebpo_lite.export "
+            "give a different model. Serve the merged model (`ebpo-lite export "
             "RUN_DIR --merge` writes `merged/`):"
         )
         return [why, "", *merged]
@@ -350,7 +350,7 @@ def push(out: Path, repo_id: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog=cli.prog("python -m ebpo_lite.export"),
+        prog=cli.prog("python -m ebpo_lite.commands.export"),
         description="Export a run's adapter (complete), a model card, optionally merged "
         "weights, optionally to the Hugging Face hub.",
     )

@@ -1,4 +1,4 @@
-"""`python -m ebpo_lite.plot RUN_DIR [RUN_DIR ...] [--out DIR]`: PNG figures of runs' metrics.
+"""`ebpo-lite plot RUN_DIR [RUN_DIR ...] [--out DIR]`: PNG figures of runs' metrics.
 
 Reads each run's `metrics.jsonl` (one record per step, eval records separate; `metrics.py`) and
 draws one figure per concern, every run overlaid with a legend:
@@ -275,7 +275,7 @@ def plot_runs(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog=cli.prog("python -m ebpo_lite.plot"),
+        prog=cli.prog("python -m ebpo_lite.commands.plot"),
         description="PNG figures of one or more runs' metrics.jsonl, runs overlaid.",
     )
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="training output_dir(s)")

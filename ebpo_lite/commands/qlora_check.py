@@ -1,6 +1,6 @@
 """Are LoRA gradients through an NF4 (bitsandbytes 4-bit) base right? The check, on any device.
 
-    python -m ebpo_lite.qlora_check [--device cpu|cuda] [--dtypes float32,bfloat16]
+    python -m ebpo_lite.commands.qlora_check [--device cpu|cuda] [--dtypes float32,bfloat16]
         [--layers 2] [--hidden 128] [--json FILE]
 
 The reference for every NF4 computation is the same computation with each `Linear4bit` replaced
@@ -90,7 +90,7 @@ def nf4_layer(weight: torch.Tensor, dtype: torch.dtype, device: torch.device):
     """A double-quantised NF4 `Linear4bit` holding `weight` [out, in], kept differentiable."""
     import bitsandbytes as bnb
 
-    from ebpo_lite.policy import keep_nf4_differentiable
+    from ebpo_lite.model.policy import keep_nf4_differentiable
 
     out_f, in_f = weight.shape
     layer = bnb.nn.Linear4bit(
@@ -167,7 +167,7 @@ def nf4_policy(model_dir, out_dir, device: str, dtype: str, four_bit=True, ckpt=
     """The policy `Policy.from_config` builds for the tiny recipe with `model_dir` as its model
     (LoRA only, on every linear layer), LoRA B set to small random values."""
     from ebpo_lite import catalog, config
-    from ebpo_lite.policy import Policy
+    from ebpo_lite.model.policy import Policy
 
     cfg = config.load(
         catalog.recipe_path("tiny_cpu"),
@@ -224,8 +224,8 @@ def sample_and_score(policy) -> list[list[int]]:
 
 def rl_gradients(policy) -> dict[str, torch.Tensor]:
     """LoRA gradients of ebpo_lite's clipped-surrogate loss on a fixed ragged batch (fp32, CPU)."""
-    from ebpo_lite import loss
-    from ebpo_lite.policy import completion_logprobs
+    from ebpo_lite.algo import loss
+    from ebpo_lite.model.policy import completion_logprobs
 
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(4, 100, (k,), generator=gen).tolist() for k in (3, 5, 6, 2)]
@@ -362,7 +362,7 @@ def summary_lines(result: dict) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m ebpo_lite.qlora_check", description=__doc__.split("\n")[0]
+        prog="python -m ebpo_lite.commands.qlora_check", description=__doc__.split("\n")[0]
     )
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated compute dtypes")
@@ -371,9 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="also write the full result here")
     args = ap.parse_args(argv)
     from ebpo_lite.cli import quiet_libraries
-    from ebpo_lite.device import DTYPES, resolve_device
     from ebpo_lite.errors import ConfigError
-    from ebpo_lite.tiny import save_random_qwen3
+    from ebpo_lite.model.device import DTYPES, resolve_device
+    from ebpo_lite.model.tiny import save_random_qwen3
 
     quiet_libraries()  # before bitsandbytes' import, which logs its kernel-hub lookup
     try:

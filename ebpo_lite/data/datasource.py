@@ -19,7 +19,7 @@ from typing import Any
 
 from ebpo_lite.errors import UserError
 
-log = logging.getLogger("ebpo_lite.mathdata")
+log = logging.getLogger("ebpo_lite.data.mathdata")
 
 
 def local_data_root(data_dir: str | None = None) -> tuple[Path | None, str]:

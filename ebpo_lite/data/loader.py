@@ -1,6 +1,6 @@
 """Training and evaluation prompts.
 
-`Example` (ebpo_lite.example) is the one record every part of the project passes around. Two
+`Example` (ebpo_lite.data.example) is the one record every part of the project passes around. Two
 sources:
 - `arithmetic`: a generated task for the built-in tiny model (addition, subtraction and
   multiplication of small numbers). Each example carries a `topic` (add / sub / mul) and a
@@ -10,7 +10,7 @@ sources:
 - `arithmetic_chat`: the same problems asked as a chat model is asked them (`What is 35 - 8?`
   through the tokenizer's chat template, answer boxed as the system prompt says, scored by
   `math_answer`): the task of recipes/smollm2_cpu.yaml, for a real pretrained chat model.
-- real math data (GSM8K, MATH, AIME, ...) and a user's own file: `ebpo_lite.mathdata`, from
+- real math data (GSM8K, MATH, AIME, ...) and a user's own file: `ebpo_lite.data.mathdata`, from
   local files or the hub.
 
 Held-out examples for the in-training eval (`load_train_eval`, docs/data.md): the arithmetic
@@ -32,9 +32,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ebpo_lite.config import parse_eval_size
+from ebpo_lite.data.example import Example, Examples
+from ebpo_lite.data.prompts import format_prompt
 from ebpo_lite.errors import ConfigError
-from ebpo_lite.example import Example, Examples
-from ebpo_lite.prompts import format_prompt
 
 if TYPE_CHECKING:
     from ebpo_lite.config import DataConfig
@@ -235,7 +235,7 @@ def load_train_eval(cfg: DataConfig) -> tuple[list[Example], list[Example]]:
             train, held = [as_question(e) for e in train], [as_question(e) for e in held]
         held = _examples(held, "" if held else "data.num_eval=0")
     else:
-        from ebpo_lite import mathdata
+        from ebpo_lite.data import mathdata
 
         train = mathdata.load_examples(cfg)
         train, held = _held_out(cfg, train)
@@ -246,7 +246,7 @@ def load_train_eval(cfg: DataConfig) -> tuple[list[Example], list[Example]]:
     if cfg.max_examples:
         train = train[: cfg.max_examples]
     if cfg.labels_path and cfg.labels_path != "auto":  # auto: made by the run (`labels.py`)
-        from ebpo_lite import mathdata
+        from ebpo_lite.data import mathdata
 
         train = mathdata.apply_labels(train, cfg.labels_path)
     out = Examples(train)
@@ -277,7 +277,7 @@ def _examples(items: list[Example], like: list | str) -> Examples:
 
 def _held_out(cfg: DataConfig, rows: list[Example]) -> tuple[Examples, Examples]:
     """(training, held-out) of a loaded source by `data.eval_size` (see the module docstring)."""
-    from ebpo_lite import mathdata
+    from ebpo_lite.data import mathdata
 
     size = parse_eval_size(cfg.eval_size)
     if cfg.eval_path:
@@ -326,7 +326,7 @@ def _eval_file(cfg: DataConfig) -> Examples:
     """The examples of `data.eval_path`, read with the training data's mapping."""
     from pathlib import Path
 
-    from ebpo_lite import mathdata
+    from ebpo_lite.data import mathdata
 
     path = Path(cfg.eval_path)
     if not path.is_file():

@@ -31,7 +31,7 @@ Presets map each public schema to `Example(prompt, answer, topic, difficulty, me
 
 Bad rows. A record that is not valid JSON, not an object, lacks a field or has the wrong type
 raises `UserError("FILE:LINE: field: problem")`; with `data.skip_bad_rows: true` it is skipped
-instead, and the count is logged (logger `ebpo_lite.mathdata`) and stored on the returned list as
+instead, and the count is logged (logger `ebpo_lite.data.mathdata`) and stored on the returned list as
 `.skipped` (`.first_error` holds the first message). A broken JSON *array* cannot be resumed
 after the error, so it always raises. Rows whose answer is null or empty (two in MATH-train) are
 unscorable, not malformed: always dropped, counted in `.unscorable` and logged.
@@ -50,11 +50,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ebpo_lite.datasource import hub_records, local_data_root
+from ebpo_lite.data.datasource import hub_records, local_data_root
+from ebpo_lite.data.example import Example, Examples
+from ebpo_lite.data.prompts import prompt_digest
 from ebpo_lite.errors import UserError
-from ebpo_lite.example import Example, Examples
 from ebpo_lite.presets import BENCHMARKS, EVAL_FOR, HUB, HUB_CONFIGS, LOCAL_FILES, PRESETS
-from ebpo_lite.prompts import prompt_digest
 from ebpo_lite.rewards.extract import last_boxed, normalize_gold
 
 if TYPE_CHECKING:
@@ -544,7 +544,7 @@ def apply_labels(examples: list[Example], labels_path: str | Path) -> list[Examp
     path = Path(labels_path)
     if not path.is_file():
         raise UserError(
-            f"data.labels_path: {path} not found; write it with python -m ebpo_lite.difficulty, "
+            f"data.labels_path: {path} not found; write it with ebpo-lite label difficulty, "
             "or set data.labels_path=null"
         )
     out = list(examples)

@@ -1,6 +1,6 @@
 """Topic labels: from a dataset field, or k-means over problem embeddings, offline.
 
-`python -m ebpo_lite.topics RECIPE.yaml [section.key=value ...] [--k 9] [--out FILE]
+`ebpo-lite label topics RECIPE.yaml [section.key=value ...] [--k 9] [--out FILE]
 [--method auto|field|embed]` writes one JSON line per training example in the labels format
 `mathdata.apply_labels` reads: `{"index": 3, "prompt_sha1": "…", "topic": "algebra"}`. Point
 `data.labels_path` at it for `curriculum.sampler: topic` and `algo.prior_key: topic`.
@@ -129,7 +129,8 @@ def cluster_topics(texts: list[str], k: int, seed: int = 0) -> list[str]:
 
 
 def label(args: argparse.Namespace) -> Path:
-    from ebpo_lite import config, data
+    from ebpo_lite import config
+    from ebpo_lite.data import loader as data
 
     cfg = config.load(args.recipe, args.overrides)
     examples, _ = data.load_train_eval(dataclasses.replace(cfg.data, labels_path=None))
@@ -151,7 +152,7 @@ def topic_labels(
 ) -> tuple[list[str], str]:
     """(a topic per example, the method used): `field` when every example has a topic (or
     `method` says so), else `embed` (k-means of embeddings). Shared by `python -m
-    ebpo_lite.topics` and `data.labels_path=auto` (`ebpo_lite.labels`)."""
+    ebpo_lite.data.topics` and `data.labels_path=auto` (`ebpo_lite.engine.labels`)."""
     missing = sum(ex.topic is None for ex in examples)
     if method == "auto":
         method = "field" if missing == 0 else "embed"
@@ -169,8 +170,8 @@ def topic_labels(
 
 def write_labels(out: Path, examples: list, topics: list[str]) -> None:
     """The labels file (`mathdata.apply_labels`' format), written atomically."""
-    from ebpo_lite.jsonl import write_atomic
-    from ebpo_lite.prompts import prompt_digest
+    from ebpo_lite.data.jsonl import write_atomic
+    from ebpo_lite.data.prompts import prompt_digest
 
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = (
@@ -182,7 +183,7 @@ def write_labels(out: Path, examples: list, topics: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog=cli.prog("python -m ebpo_lite.topics"),
+        prog=cli.prog("python -m ebpo_lite.data.topics"),
         description="Topic labels per training example: a dataset field, or embedding k-means.",
     )
     p.add_argument("recipe", help="recipe YAML (its data section is used)")

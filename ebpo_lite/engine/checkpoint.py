@@ -4,7 +4,7 @@
 - `adapter_model.safetensors` + `adapter_config.json`: the LoRA adapter in peft's format, with
   any extra trained base tensors (`model.trainable_extra`, e.g. norms) as peft `modules_to_save`,
   so `PeftModel.from_pretrained(base, path)` loads the trained model (`policy.add_extra_weights`;
-  `python -m ebpo_lite.export` makes the shareable folder);
+  `ebpo-lite export` makes the shareable folder);
 - `trainable.safetensors`: every trainable tensor by its exact name (LoRA and any extra base
   tensors such as norms), used for exact resume;
 - `trainer_state.pt`: optimizer, LR scheduler, RNG states (python, numpy, torch CPU / CUDA), step;
@@ -226,7 +226,12 @@ def bytes_per_checkpoint(n_trainable: int) -> int:
 def check_disk(cfg: Any) -> None:
     """Refuse, before the model loads, a run whose checkpoints cannot fit on `output_dir`'s
     disk: saving holds `keep + 1` of them at once (the new one before the oldest goes)."""
-    from ebpo_lite.memory import arch_for, extra_trainable_count, lora_param_count, lora_targets
+    from ebpo_lite.model.memory import (
+        arch_for,
+        extra_trainable_count,
+        lora_param_count,
+        lora_targets,
+    )
 
     m = cfg.model
     try:

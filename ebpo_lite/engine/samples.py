@@ -34,13 +34,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ebpo_lite.jsonl import write_atomic
+from ebpo_lite.data.jsonl import write_atomic
 
 if TYPE_CHECKING:
     import torch
 
     from ebpo_lite.config import Config
-    from ebpo_lite.run import Run, Sample
+    from ebpo_lite.engine.run import Run, Sample
 
 FILE = "completions.jsonl"
 SHOW_CHARS = 300  # printed prompt / completion, characters
@@ -347,7 +347,7 @@ def step_rows(
 
 
 def context(run: Run, sample: Sample) -> Context:
-    from ebpo_lite.data import is_arithmetic
+    from ebpo_lite.data.loader import is_arithmetic
 
     cfg = run.cfg
     return Context(

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ebpo_lite import data
+from ebpo_lite.data import loader as data
 from ebpo_lite.errors import UserError
 
 if TYPE_CHECKING:
@@ -22,13 +22,13 @@ def data_line(cfg: Config, train: list, held: list) -> str:
 
 def memory_line(cfg: Config) -> str:
     """The memory plan on this GPU in one line (`plan.plan`), or why there is none."""
-    from ebpo_lite.device import cuda_memory_gib, cuda_name, resolve_device
-    from ebpo_lite.plan import plan
+    from ebpo_lite.model.device import cuda_memory_gib, cuda_name, resolve_device
+    from ebpo_lite.model.plan import plan
 
     dev = resolve_device(cfg.model.device)
     mem = cuda_memory_gib(dev)
     if mem is None:
-        return "memory: no GPU, so no GPU memory plan (python -m ebpo_lite.plan RECIPE --gpu 24)"
+        return "memory: no GPU, so no GPU memory plan (ebpo-lite plan RECIPE --gpu 24)"
     try:
         p = plan(cfg, mem[1], cuda_name(dev))
     except UserError as e:  # a model whose shape the planner does not know
@@ -48,8 +48,8 @@ def memory_line(cfg: Config) -> str:
 
 def model_line(cfg: Config) -> str:
     """What is about to load: name, dtype, 4-bit, device, and whether it downloads first."""
-    from ebpo_lite.base_model import is_gguf_name
-    from ebpo_lite.device import resolve_device, resolve_dtype
+    from ebpo_lite.model.base_model import is_gguf_name
+    from ebpo_lite.model.device import resolve_device, resolve_dtype
 
     m = cfg.model
     device = resolve_device(m.device)
@@ -59,7 +59,7 @@ def model_line(cfg: Config) -> str:
     if m.name == "tiny":
         where = " (built in)"
     elif is_gguf_name(m.name):
-        where = " (GGUF, dequantized to an fp32 folder once and cached: ebpo_lite.base_model)"
+        where = " (GGUF, dequantized to an fp32 folder once and cached: ebpo_lite.model.base_model)"
     elif not Path(m.name).expanduser().exists():
         from huggingface_hub import try_to_load_from_cache
 

@@ -6,7 +6,7 @@ What it does (tested with TRL `TRL_TESTED`, see `check_trl_version`)
   every process inside `_calculate_rewards`; this class keeps that gathered `[N, F]` tensor, forms
   the weighted sum per completion (`reward_weights`, as TRL's "sum_then_normalize"), reshapes it to
   `[B, G]` (B = prompts of the whole generation batch, all processes) and calls
-  `ebpo_lite.advantages.ebpo_advantages`. Every rank computes the same thing from the same
+  `ebpo_lite.algo.advantages.ebpo_advantages`. Every rank computes the same thing from the same
   gathered rewards, so every rank holds an identical prior; each rank then keeps its own slice,
   exactly as TRL slices its advantages.
 - Completions that every reward function scored None are masked (no statistic, advantage 0).
@@ -28,7 +28,7 @@ Options (constructor keywords; everything else goes to `GRPOTrainer`)
     ebpo_prompt_id with the option prompt_prior: a dataset column (str or int) naming each
                    prompt; None: a digest of the prompt itself (its text, or its messages as JSON),
                    so every visit of the same prompt shares one history
-    curriculum     a `PromptSampler` from `ebpo_lite.curriculum.make_sampler` over the training
+    curriculum     a `PromptSampler` from `ebpo_lite.algo.curriculum.make_sampler` over the training
                    dataset's rows; None: TRL's own sampler
 
 Departures from TRL and from ebpo_lite's own trainer
@@ -68,8 +68,8 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-from ebpo_lite.advantages import EBPrior, ebpo_advantages
-from ebpo_lite.prompts import prompt_digest
+from ebpo_lite.algo.advantages import EBPrior, ebpo_advantages
+from ebpo_lite.data.prompts import prompt_digest
 
 TRL_TESTED = (">=1.16.0", "<1.17")  # the range the tests ran against (CI tier integrations)
 SKIP_VERSION_ENV = "EBPO_LITE_TRL_ANY_VERSION"  # "1": try an untested TRL anyway

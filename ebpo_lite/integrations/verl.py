@@ -59,7 +59,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ebpo_lite.advantages import EBPrior, ebpo_advantages
+from ebpo_lite.algo.advantages import EBPrior, ebpo_advantages
 
 NAME = "ebpo"
 PRIOR_DIR_ENV = "EBPO_PRIOR_DIR"

@@ -140,7 +140,7 @@ class StepMemory:
     from the driver (every process and pool counted: vLLM's weights and KV cache, its sleep-mode
     residue, the CUDA context, which torch's counters miss). `metrics()` adds torch's own peaks
     since the step began (`memory/peak_allocated_gb`, `memory/peak_reserved_gb`). CHECKED ONLY ON
-    A GPU (scripts/gpu_smoke.py reads them to check ebpo_lite/plan.py's constants).
+    A GPU (scripts/gpu_smoke.py reads them to check ebpo_lite/model/plan.py's constants).
     """
 
     def __init__(self, device: torch.device):

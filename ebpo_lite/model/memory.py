@@ -1,8 +1,8 @@
 """Memory arithmetic of a decoder-only transformer: parameters, NF4 weights, LoRA, activations.
 
-Pure functions on architecture numbers (no torch, no config); `ebpo_lite.plan` adds them up.
+Pure functions on architecture numbers (no torch, no config); `ebpo_lite.model.plan` adds them up.
 Architecture numbers come from `model_specs.json` (the public config.json of the models the
-recipes name), from `<folder>/config.json`, or from `ebpo_lite.tiny`.
+recipes name), from `<folder>/config.json`, or from `ebpo_lite.model.tiny`.
 
 Notation: L layers, h hidden size, I MLP size, V vocabulary, n_q / n_kv heads of size d,
 q = n_q * d, kv = n_kv * d, a = bytes of the compute dtype (2 for bf16 / fp16), r LoRA rank,
@@ -130,10 +130,10 @@ def arch_from_config(d: dict[str, Any], name: str, where: str) -> Arch:
 def arch_for(name: str) -> Arch:
     """`tiny`, a local folder with config.json, or a model named in model_specs.json (`smollm2`:
     SmolLM2-135M-Instruct's; another .gguf file: its converted folder, once converted)."""
-    from ebpo_lite import base_model
+    from ebpo_lite.model import base_model
 
     if name == "tiny":
-        from ebpo_lite.tiny import tiny_config_kwargs
+        from ebpo_lite.model.tiny import tiny_config_kwargs
 
         return arch_from_config({"model_type": "qwen3", **tiny_config_kwargs()}, "tiny", "tiny")
     if name == base_model.SMOLLM2:

@@ -1,8 +1,8 @@
 """GPU memory planner: will this recipe fit, and with which settings, before anything loads.
 
-    python -m ebpo_lite.plan RECIPE.yaml [key=value ...] [--gpu NAME_OR_GIB] [--json FILE]
+    ebpo-lite plan RECIPE.yaml [key=value ...] [--gpu NAME_OR_GIB] [--json FILE]
 
-`--gpu` takes a card's name or its memory in GiB (`ebpo_lite.gpus`: `3090` is the card).
+`--gpu` takes a card's name or its memory in GiB (`ebpo_lite.model.gpus`: `3090` is the card).
 
 Prints a table of every component; `--json` writes them all (`policy_weights_gb`, `total_gb`, ...,
 `fits`, `recommended_gpu_memory_utilization`, `recommended_micro_batch_size`, `advice`). Exit status:
@@ -10,7 +10,7 @@ Prints a table of every component; `--json` writes them all (`policy_weights_gb`
 All sizes are GiB (2^30 bytes), as `nvidia-smi` and `torch.cuda` report them.
 
 The per-model arithmetic (weights, NF4, LoRA, activations, logits, KV cache) is in
-`ebpo_lite.memory`, with its formulas and sources. This module adds it up for a recipe:
+`ebpo_lite.model.memory`, with its formulas and sources. This module adds it up for a recipe:
 - trainer: frozen base (NF4 or 16-bit) + LoRA params, gradients (fp32) and AdamW states (2 x fp32)
   + activations and logits of one micro-batch (train.micro_batch_size sequences of
   data.max_prompt_tokens + rollout.max_new_tokens tokens: the worst case; logits only for the
@@ -62,8 +62,8 @@ from typing import Any
 
 from ebpo_lite import cli
 from ebpo_lite.errors import UserError
-from ebpo_lite.gpus import GPU_FORMS, parse_gpu
-from ebpo_lite.memory import (
+from ebpo_lite.model.gpus import GPU_FORMS, parse_gpu
+from ebpo_lite.model.memory import (
     GIB,
     Arch,
     arch_for,
@@ -78,7 +78,7 @@ from ebpo_lite.memory import (
     microbatch_bytes,
     param_counts,
 )
-from ebpo_lite.plan_vllm import (
+from ebpo_lite.model.plan_vllm import (
     CONSTANTS,
     CUDA_CONTEXT_GIB,
     FRAGMENTATION,
@@ -387,7 +387,7 @@ def eval_chunk_size(cfg: Any, policy: Any, k: int, prompt_tokens: int, new_token
     allocator caches unused), less SAFETY_GIB and FRAGMENTATION; EVAL_CHUNK_CPU elsewhere."""
     import torch
 
-    from ebpo_lite.device import cuda_memory_gib, resolve_dtype
+    from ebpo_lite.model.device import cuda_memory_gib, resolve_dtype
 
     dev = policy.device
     mem = cuda_memory_gib(dev)
@@ -504,7 +504,7 @@ class _Parser(argparse.ArgumentParser):
 
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(
-        prog=cli.prog("python -m ebpo_lite.plan"),
+        prog=cli.prog("python -m ebpo_lite.model.plan"),
         description=__doc__.split("\n")[0],
         epilog=EXIT_STATUS,
     )
@@ -533,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def preflight(cfg: Any) -> None:
     """Refuse, before anything loads, a plan that cannot fit on the visible GPU(s); no-op on CPU."""
-    from ebpo_lite.device import cuda_memory_gib, cuda_name, resolve_device
+    from ebpo_lite.model.device import cuda_memory_gib, cuda_name, resolve_device
 
     dev = resolve_device(cfg.model.device)
     if dev.type != "cuda":
@@ -560,7 +560,7 @@ def preflight(cfg: Any) -> None:
         used = ", ".join(f"{d} {v:.1f}" for d, v in p["per_device_gb"].items())
         raise UserError(
             f"preflight: {p['model']} needs {used} GiB, {gib:.1f} GiB usable per GPU; "
-            + "; ".join(p["advice"] or [f"see python -m ebpo_lite.plan RECIPE --gpu {gib:.0f}"])
+            + "; ".join(p["advice"] or [f"see ebpo-lite plan RECIPE --gpu {gib:.0f}"])
         )
 
 

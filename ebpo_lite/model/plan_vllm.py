@@ -42,7 +42,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ebpo_lite.memory import GIB, NF4_BLOCK, Arch, lora_param_count
+from ebpo_lite.model.memory import GIB, NF4_BLOCK, Arch, lora_param_count
 
 CUDA_CONTEXT_GIB = 0.5  # per process and GPU: CUDA context + cuBLAS workspace, outside torch
 FRAGMENTATION = 0.10  # caching-allocator slack on the trainer's allocations

@@ -4,7 +4,7 @@
 - Optional extra trainable base parameters (`model.trainable_extra`, e.g. norm weights) make
   `trains_base` true; `export_base` then writes the base with those tensors updated, copied from
   the original checkpoint files, so a sampler can reload exactly what the trainer holds.
-  Checkpoints and `ebpo_lite.export` save them inside the adapter as peft `modules_to_save`
+  Checkpoints and `ebpo_lite.commands.export` save them inside the adapter as peft `modules_to_save`
   (`add_extra_weights`), so `PeftModel.from_pretrained(base, folder)` is the trained model.
 - The reference policy for the KL term is this same model with the adapter disabled: no second copy.
 
@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ebpo_lite.errors import UserError
-from ebpo_lite.memory import logprob_chunk_rows
+from ebpo_lite.model.memory import logprob_chunk_rows
 
 if TYPE_CHECKING:
     from ebpo_lite.config import Config
@@ -325,7 +325,7 @@ class Policy:
     @property
     def stop_ids(self) -> tuple[int, ...]:
         """The ids that end a turn: the generation config's `eos_token_id` list + the tokenizer's."""
-        from ebpo_lite.rollout.common import stop_token_ids
+        from ebpo_lite.model.base_model import stop_token_ids
 
         return stop_token_ids(self.tokenizer, getattr(self.model, "generation_config", None))
 
@@ -334,10 +334,9 @@ class Policy:
         """transformers + peft. (`run.load_policy` picks Unsloth's loader for its backend.)"""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from ebpo_lite.base_model import resolve
-        from ebpo_lite.checks import model_name
-        from ebpo_lite.device import resolve_attn, resolve_device, resolve_dtype
-        from ebpo_lite.scaler import refuse_float16_extra
+        from ebpo_lite.model.base_model import model_name, resolve
+        from ebpo_lite.model.device import resolve_attn, resolve_device, resolve_dtype
+        from ebpo_lite.model.scaler import refuse_float16_extra
 
         m = cfg.model
         model_name(m.name)  # a mistyped path fails here, not as a hub download

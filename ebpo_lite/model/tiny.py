@@ -85,7 +85,7 @@ def save_random_qwen3(folder: str | Path, seed: int = 0, **shape) -> Path:
     """A random-init Qwen3 with the tiny character tokenizer, saved as a model folder.
 
     `shape` overrides `tiny_config_kwargs` (hidden_size, num_hidden_layers, heads, ...): the
-    checks of the 4-bit path (ebpo_lite.qlora_check, tests, scripts/gpu_smoke.py) build larger
+    checks of the 4-bit path (ebpo_lite.commands.qlora_check, tests, scripts/gpu_smoke.py) build larger
     members of the family this way, with no download.
     """
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -160,7 +160,7 @@ def exclusive(lock: Path, log, busy: str):
 def _warm_and_save(
     out: Path, steps: int, seed: int, data_seed: int, log, progress: str = "lines"
 ) -> Path:
-    from ebpo_lite.data import arithmetic_examples
+    from ebpo_lite.data.loader import arithmetic_examples
 
     tokenizer = build_tokenizer()
     model = build_tiny_model(seed)

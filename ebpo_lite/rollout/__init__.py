@@ -20,13 +20,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from ebpo_lite.rollout.common import Rollout, cut_at_stop, stop_token_ids
+from ebpo_lite.model.base_model import stop_token_ids
+from ebpo_lite.rollout.common import Rollout, cut_at_stop
 
 __all__ = ["Rollout", "RolloutBackend", "cut_at_stop", "make_backend", "stop_token_ids"]
 
 if TYPE_CHECKING:
     from ebpo_lite.config import Config
-    from ebpo_lite.policy import Policy
+    from ebpo_lite.model.policy import Policy
 
 
 class RolloutBackend(Protocol):

@@ -42,15 +42,6 @@ class Rollout:
         return len(self.completion_ids) // max(len(self.prompt_ids), 1)
 
 
-def stop_token_ids(tokenizer: Any, generation_config: Any = None) -> tuple[int, ...]:
-    """The ids that end a completion: `generation_config.eos_token_id` (int or list), then the
-    tokenizer's `eos_token_id` if not already listed; duplicates and None dropped, order kept."""
-    listed = getattr(generation_config, "eos_token_id", None)
-    ids: list = list(listed) if isinstance(listed, Iterable) else [listed]
-    ids.append(getattr(tokenizer, "eos_token_id", None))
-    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
-
-
 def cut_at_stop(ids: Sequence[int], stop_ids: Iterable[int]) -> tuple[list[int], bool]:
     """`ids` up to and including the first stop id, and whether one was found."""
     stops = set(stop_ids)

@@ -29,7 +29,7 @@ from ebpo_lite.rollout.common import Rollout, cut_at_stop
 
 if TYPE_CHECKING:
     from ebpo_lite.config import RolloutConfig
-    from ebpo_lite.policy import Policy
+    from ebpo_lite.model.policy import Policy
 
 
 class HFRollout:

@@ -58,7 +58,7 @@ from ebpo_lite.rollout.common import (
 
 if TYPE_CHECKING:
     from ebpo_lite.config import Config
-    from ebpo_lite.policy import Policy
+    from ebpo_lite.model.policy import Policy
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -141,9 +141,9 @@ def name_base(model: Any, base: str) -> None:
 
 def load_unsloth_policy(cfg: Config, log: Callable[[str], None] = print) -> Policy:
     """Base (4-bit if model.load_in_4bit) + LoRA built by Unsloth, with its vLLM engine attached."""
-    from ebpo_lite.base_model import resolve
-    from ebpo_lite.device import resolve_device, resolve_dtype
-    from ebpo_lite.policy import Policy
+    from ebpo_lite.model.base_model import resolve
+    from ebpo_lite.model.device import resolve_device, resolve_dtype
+    from ebpo_lite.model.policy import Policy
 
     FastLanguageModel, _ = _import_unsloth()
     m, r = cfg.model, cfg.rollout

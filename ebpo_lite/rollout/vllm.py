@@ -94,7 +94,7 @@ from ebpo_lite.rollout.common import (
 
 if TYPE_CHECKING:
     from ebpo_lite.config import Config
-    from ebpo_lite.policy import Policy
+    from ebpo_lite.model.policy import Policy
 
 # An in-process CPU engine replaces torch.set_num_threads by a no-op for the whole process; the
 # original comes back when the last engine of this process closes.
@@ -153,7 +153,7 @@ class VLLMRollout:
                 f"{key}: LoRA rank {rank} rounded up to {self._max_lora_rank} for vLLM "
                 f"(it accepts only {', '.join(map(str, VLLM_LORA_RANKS))})"
             )
-        from ebpo_lite.device import resolve_dtype
+        from ebpo_lite.model.device import resolve_dtype
 
         name, key = engine_dtype(cfg)
         dtype = resolve_dtype(name, self.device, key)
@@ -174,7 +174,7 @@ class VLLMRollout:
             logprobs_mode="processed_logprobs",
             trust_remote_code=cfg.model.trust_remote_code,
         )
-        from ebpo_lite.plan_vllm import vllm_batch_limits
+        from ebpo_lite.model.plan_vllm import vllm_batch_limits
 
         # a step's sequences and prompt tokens, not vLLM's defaults (1,024 sequences on 70+ GiB
         # cards: GiBs of sampler warm-up held for good); the planner counts the same (plan_vllm)
@@ -321,7 +321,7 @@ class VLLMRollout:
 
 
 def _rollout_device(name: str, policy_device: torch.device) -> torch.device:
-    from ebpo_lite.device import resolve_device
+    from ebpo_lite.model.device import resolve_device
 
     if name == "auto":
         return policy_device
@@ -342,9 +342,9 @@ def cpu_nf4_blocker(dtype: torch.dtype, trains_base: bool) -> str | None:
     packed 4-bit weight as total // (dtype bits / 8) bytes (`quantization/utils.py`,
     `calculate_quant_ratio`), a quarter in fp32 where `quantize_4bit` packs two values per byte,
     and loading stops at `params.py`'s shape assertion. Trained base tensors cannot be reloaded
-    into an NF4 copy (`ebpo_lite.stack`).
+    into an NF4 copy (`ebpo_lite.rollout.stack`).
     """
-    from ebpo_lite.stack import Stack
+    from ebpo_lite.rollout.stack import Stack
 
     if (missing := Stack.read().bnb_missing()) is not None:
         return missing
