@@ -52,7 +52,7 @@ def test_split_sizes_seeded_and_disjoint(tmp_path):
     cfg, tr, held = load(path)  # auto: 10% of 53 rows, rounded
     assert len(held) == 5 and len(tr) + len(held) <= 53
     assert not {e.prompt for e in tr} & {e.prompt for e in held}  # disjoint by prompt text too
-    assert startup.data_line(cfg, tr, held).startswith(
+    assert startup.data_line(cfg.data, tr, held).startswith(
         f"data: {len(tr)} training prompts from {path}, 5 held out for the eval (5 of 53 rows of "
     )
     assert [e.prompt for e in load(path)[2]] == [e.prompt for e in held]  # deterministic
@@ -66,7 +66,7 @@ def test_split_sizes_seeded_and_disjoint(tmp_path):
     # a file under 10 rows: none held out, and the line says why
     small = write_rows(tmp_path / "small.jsonl", problems(6))
     cfg, tr, held = load(small)
-    line = startup.data_line(cfg, tr, held)
+    line = startup.data_line(cfg.data, tr, held)
     assert len(tr) == 6 and "0 held out for the eval (6 rows are too few" in line
     assert "data.eval_size=COUNT or data.eval_path" in line
 
@@ -78,7 +78,7 @@ def test_eval_path_is_held_out_and_kept_out_of_training(tmp_path):
     cfg, tr, held = load(path, f"data.eval_path={held_file}")
     assert [e.prompt for e in held] == [e.prompt for e in exs[:4] + problems(6, seed=8)]
     assert len(tr) == 36 and not {e.prompt for e in tr} & {e.prompt for e in held}
-    assert startup.data_line(cfg, tr, held).endswith(
+    assert startup.data_line(cfg.data, tr, held).endswith(
         f"10 held out for the eval ({held_file}, data.eval_path)"
     )
 
@@ -88,7 +88,7 @@ def test_a_preset_keeps_its_test_set():
     cfg = config.load(TINY_RECIPE, ["data.name=gsm8k"])
     tr, held = data.load_train_eval(cfg.data)
     assert len(tr) == 7473 and len(held) == 1319
-    assert "(the preset's test set, " in startup.data_line(cfg, tr, held)
+    assert "(the preset's test set, " in startup.data_line(cfg.data, tr, held)
     tr, held = data.load_train_eval(
         config.load(TINY_RECIPE, ["data.name=gsm8k", "data.eval_size=50"]).data
     )
@@ -98,7 +98,7 @@ def test_a_preset_keeps_its_test_set():
     cfg = config.load(TINY_RECIPE, ["data.name=math500"])
     tr, held = data.load_train_eval(cfg.data)
     assert len(tr) == 500 and not held
-    assert "(math500 has no test set here; data.eval_size" in startup.data_line(cfg, tr, held)
+    assert "(math500 has no test set here; data.eval_size" in startup.data_line(cfg.data, tr, held)
 
 
 @pytest.mark.parametrize(

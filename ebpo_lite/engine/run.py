@@ -359,7 +359,7 @@ def build_run(cfg: config.Config, log: Callable[[str], None] = print) -> Run:
     train_ex, eval_ex = data.load_train_eval(cfg.data)
     if not train_ex:
         raise UserError("data: no training examples; check data.max_examples and the data file")
-    log(startup.data_line(cfg, train_ex, eval_ex))
+    log(startup.data_line(cfg.data, train_ex, eval_ex))
     train_ex = labels.maybe_topic_labels(cfg, train_ex, log)
     rewards.check_columns(fns, train_ex, "the training data")  # a column a reward reads
     rewards.check_columns(fns, eval_ex, "the held-out data")
@@ -375,11 +375,11 @@ def build_run(cfg: config.Config, log: Callable[[str], None] = print) -> Run:
 
     preflight(cfg)  # on a GPU: refuse a plan that cannot fit before the model loads (CPU: no-op)
     log(startup.memory_line(cfg))
-    log(startup.model_line(cfg))
+    log(startup.model_line(cfg.model))
     policy = load_policy(cfg)
     prompt_ids = data.encode_prompts(policy.tokenizer, train_ex, cfg.data)
     backend = make_backend(cfg, policy)
-    log(startup.sampler_line(cfg))
+    log(startup.sampler_line(cfg.rollout, cfg.train))
     labelled = labels.maybe_difficulty_labels(
         cfg, train_ex, prompt_ids, policy, backend, (fns, weights), log
     )

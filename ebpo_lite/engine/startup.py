@@ -11,11 +11,11 @@ from ebpo_lite.data import loader as data
 from ebpo_lite.errors import UserError
 
 if TYPE_CHECKING:
-    from ebpo_lite.config import Config
+    from ebpo_lite.config import Config, DataConfig, ModelConfig, RolloutConfig, TrainConfig
 
 
-def data_line(cfg: Config, train: list, held: list) -> str:
-    source, whence = data.describe_source(cfg.data, train), data.describe_held(held)
+def data_line(d: DataConfig, train: list, held: list) -> str:
+    source, whence = data.describe_source(d, train), data.describe_held(held)
     line = f"data: {len(train)} training prompts from {source}, {len(held)} held out for the eval"
     return line + (f" ({whence})" if whence else "")
 
@@ -46,12 +46,11 @@ def memory_line(cfg: Config) -> str:
     return line
 
 
-def model_line(cfg: Config) -> str:
+def model_line(m: ModelConfig) -> str:
     """What is about to load: name, dtype, 4-bit, device, and whether it downloads first."""
     from ebpo_lite.model.base_model import is_gguf_name
     from ebpo_lite.model.device import resolve_device, resolve_dtype
 
-    m = cfg.model
     device = resolve_device(m.device)
     dtype = str(resolve_dtype(m.dtype, device)).removeprefix("torch.")
     parts = [dtype, "4-bit NF4" if m.load_in_4bit else "", f"on {device}", f"LoRA r {m.lora_rank}"]
@@ -72,9 +71,8 @@ def model_line(cfg: Config) -> str:
     return f"model: {m.name}{where}, {', '.join(p for p in parts if p)}"
 
 
-def sampler_line(cfg: Config) -> str:
+def sampler_line(r: RolloutConfig, t: TrainConfig) -> str:
     """The sampler and how much it samples per step."""
-    r = cfg.rollout
     name = {
         "hf": f"transformers ({'lean decode loop' if r.hf_loop == 'lean' else 'generate'}, "
         "the trainer's own model)",
@@ -82,6 +80,6 @@ def sampler_line(cfg: Config) -> str:
         "unsloth": "Unsloth's vLLM (shares the trainer's base)",
     }[r.backend]
     return (
-        f"sampler: {name}; {cfg.train.prompts_per_step} prompts x {r.group_size} completions "
+        f"sampler: {name}; {t.prompts_per_step} prompts x {r.group_size} completions "
         f"per step, up to {r.max_new_tokens} new tokens"
     )
