@@ -118,8 +118,7 @@ def _memory(info: catalog.RecipeInfo, cfg: config.Config) -> str:
     return f"{' / '.join(f'{v:.1f}' for v in peaks.values())} GiB of {gib:g}{gpus} (planner)"
 
 
-def _model(cfg: config.Config) -> str:
-    m = cfg.model
+def _model(m: config.ModelConfig) -> str:
     quant = ", NF4" if m.load_in_4bit else ""
     return f"{'tiny (built in)' if m.name == 'tiny' else m.name}{quant} + LoRA r{m.lora_rank}"
 
@@ -130,7 +129,7 @@ def recipe_rows() -> list[tuple[str, str, str, str]]:
     for name in catalog.recipe_names():
         path = catalog.recipes_dir() / f"{name}.yaml"
         info, cfg = catalog.recipe_info(path), config.load(path)
-        rows.append((name, _model(cfg), info.gpu, _memory(info, cfg)))
+        rows.append((name, _model(cfg.model), info.gpu, _memory(info, cfg)))
     return rows
 
 

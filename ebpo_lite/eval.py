@@ -453,11 +453,11 @@ def run_benchmark(
     return [done[(bench, i)] for i in range(len(examples))]
 
 
-def _longest_prompt(cfg: Config, tokenizer, benches: list[str], limit: int) -> int:
+def _longest_prompt(d: DataConfig, tokenizer, benches: list[str], limit: int) -> int:
     longest = 1
     for bench in benches:
-        for ex in benchmark_examples(bench, cfg.data)[: limit or None]:
-            prompt = encode_prompt(tokenizer, ex, cfg.data, raw=prompt_raw(bench), truncate=False)
+        for ex in benchmark_examples(bench, d)[: limit or None]:
+            prompt = encode_prompt(tokenizer, ex, d, raw=prompt_raw(bench), truncate=False)
             longest = max(longest, len(prompt))
     return longest
 
@@ -530,7 +530,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         reward = reward_functions(cfg)[0][0][1]
     done = _done_records(partial, _settings(args, cfg, ckpt))
     policy = load_policy(cfg, ckpt)
-    longest = _longest_prompt(cfg, policy.tokenizer, benches, args.limit)
+    longest = _longest_prompt(cfg.data, policy.tokenizer, benches, args.limit)
     top_p = args.top_p if args.temperature > 0 else 1.0
     scfg = dataclasses.replace(
         cfg,

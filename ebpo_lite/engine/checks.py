@@ -38,7 +38,7 @@ from ebpo_lite.errors import ConfigError, UserError
 from ebpo_lite.model.base_model import hub_model, model_name  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
-    from ebpo_lite.config import Config
+    from ebpo_lite.config import Config, LogConfig
 
 # Settings a resumed run must keep (refused when they differ): what the checkpoint's tensors fit
 # (model.* names, shapes and scale; the tiny base's warm-up), the EB prior's and the curriculum's
@@ -226,13 +226,13 @@ def machine(cfg: Config) -> None:
             "model.load_in_4bit: needs bitsandbytes (pip install 'ebpo-lite[bnb]'), "
             "or set model.load_in_4bit=false"
         )
-    loggers(cfg)
+    loggers(cfg.log)
 
 
-def loggers(cfg: Config) -> None:
+def loggers(log: LogConfig) -> None:
     """`log.wandb` / `log.tensorboard` need their packages (the extras of the same names)."""
     for key, module in (("wandb", "wandb"), ("tensorboard", "tensorboard")):
-        if getattr(cfg.log, key) and importlib.util.find_spec(module) is None:
+        if getattr(log, key) and importlib.util.find_spec(module) is None:
             raise UserError(
                 f'log.{key}: needs the {module} package (pip install "ebpo-lite[{key}]"), '
                 f"or set log.{key}=false"
