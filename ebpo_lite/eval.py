@@ -527,7 +527,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     if any(is_own_data(b) for b in benches):  # the run's first reward, as the in-training eval's
         from ebpo_lite.engine.run import reward_functions
 
-        reward = reward_functions(cfg)[0][0][1]
+        reward = reward_functions(cfg.reward, cfg.data)[0][0][1]
     done = _done_records(partial, _settings(args, cfg, ckpt))
     policy = load_policy(cfg, ckpt)
     longest = _longest_prompt(cfg.data, policy.tokenizer, benches, args.limit)

@@ -36,6 +36,6 @@ def test_prompts_go_through_the_template_and_math_answer_scores():
     raw = _data("arithmetic")
     assert tok.decode(encode_prompt(tok, load_train_eval(raw)[0][0], raw)).endswith("=")
     full = config.load(None, ["data.name=arithmetic_chat"])
-    assert [name for name, _ in reward_functions(full)[0]] == ["math_answer"]
+    assert [name for name, _ in reward_functions(full.reward, full.data)[0]] == ["math_answer"]
     boxed = rewards.math_answer([f"so \\boxed{{{ex.answer}}}", "\\boxed{}"], answer=ex.answer)
     assert boxed == [1.0, 0.0]

@@ -160,7 +160,8 @@ def test_labels_auto_makes_reuses_and_equals_the_command(tmp_path, capsys):
         assert any("reused from" in x for x in again) and path.stat().st_mtime_ns == stamp
         cli_out = tmp_path / "cli.jsonl"
         cli = [a for a in over if not a.startswith("data.labels_path=")]
-        batch = str(labels.auto_batch_size(cfg))  # 32 prompts x 4 samples a step: 8 prompts
+        # 32 prompts x 4 samples a step: 8 prompts
+        batch = str(labels.auto_batch_size(cfg.train, cfg.rollout))
         assert (
             difficulty_main([str(TINY_RECIPE), *cli, "--out", str(cli_out), "--batch-size", batch])
             == 0
@@ -175,7 +176,7 @@ def test_labels_auto_without_a_use_makes_none(tmp_path):
     said: list[str] = []
     exs = data.arithmetic_examples(6, 1, "train")
     assert labels.maybe_topic_labels(cfg, exs, said.append) is exs
-    assert labels.needed(cfg) == [] and "nothing here uses labels" in said[0]
+    assert labels.needed(cfg.curriculum, cfg.algo) == [] and "nothing here uses labels" in said[0]
 
 
 # ----------------------------------------------------------------------------- data: local or hub

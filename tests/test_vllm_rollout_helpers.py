@@ -91,8 +91,8 @@ def test_truncation_warning_is_issued_once(monkeypatch):
     cfg = config.load(None, ["rollout.top_p=0.9", "algo.is_correction=token"])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        rv.maybe_warn_truncation(cfg)
-        rv.maybe_warn_truncation(cfg)
+        rv.maybe_warn_truncation(cfg.rollout, cfg.algo)
+        rv.maybe_warn_truncation(cfg.rollout, cfg.algo)
     assert len([w for w in caught if "rollout.top_p=0.9" in str(w.message)]) == 1
 
 

@@ -50,7 +50,7 @@ def label(args: argparse.Namespace) -> Path:
     out = Path(args.out or Path(cfg.output_dir) / "difficulty.jsonl")
     out.parent.mkdir(parents=True, exist_ok=True)
     check_file(out, examples, args.k, args.temperature)  # before the model loads
-    fns, weights = reward_functions(cfg)
+    fns, weights = reward_functions(cfg.reward, cfg.data)
     policy = load_policy(cfg, ckpt=None)
     max_new = args.max_new_tokens or cfg.rollout.max_new_tokens
     scfg = dataclasses.replace(

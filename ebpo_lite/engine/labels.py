@@ -31,16 +31,22 @@ from typing import TYPE_CHECKING, Any
 from ebpo_lite.errors import ConfigError, UserError
 
 if TYPE_CHECKING:
-    from ebpo_lite.config import Config
+    from ebpo_lite.config import (
+        AlgoConfig,
+        Config,
+        CurriculumConfig,
+        RolloutConfig,
+        TrainConfig,
+    )
     from ebpo_lite.data.example import Example
 
 AUTO = "auto"
 TOOLS = {"difficulty": "ebpo-lite label difficulty", "topic": "ebpo-lite label topics"}
 
 
-def needed(cfg: Config) -> list[str]:
+def needed(c: CurriculumConfig, a: AlgoConfig) -> list[str]:
     """The label kinds the config uses, topic first."""
-    uses = {cfg.curriculum.sampler, cfg.algo.prior_key}
+    uses = {c.sampler, a.prior_key}
     return [kind for kind in ("topic", "difficulty") if kind in uses]
 
 
@@ -49,7 +55,7 @@ def command(cfg: Config, out: str) -> str:
     overrides it was loaded from (`config.origin`), less `output_dir` and `data.labels_path`."""
     from ebpo_lite.config import origin
 
-    kinds = needed(cfg)
+    kinds = needed(cfg.curriculum, cfg.algo)
     tool = TOOLS["topic" if kinds == ["topic"] else "difficulty"]
     recipe, overrides = origin(cfg)
     keep = [o for o in overrides if not o.startswith(("output_dir=", "data.labels_path="))]
@@ -88,10 +94,10 @@ def auto_path(cfg: Config, kind: str) -> Path:
     return cache_root() / "labels" / f"{name}-{kind}-{digest}.jsonl"
 
 
-def auto_batch_size(cfg: Config) -> int:
+def auto_batch_size(t: TrainConfig, r: RolloutConfig) -> int:
     """Prompts per sampling call of `auto`: K samples each, as many sequences as a training step
     samples (which the run's memory plan allows for)."""
-    return max(1, cfg.train.prompts_per_step * cfg.rollout.group_size // K)
+    return max(1, t.prompts_per_step * r.group_size // K)
 
 
 def maybe_topic_labels(
@@ -101,7 +107,7 @@ def maybe_topic_labels(
     labels (before the model loads)."""
     if cfg.data.labels_path != AUTO:
         return examples
-    kinds = needed(cfg)
+    kinds = needed(cfg.curriculum, cfg.algo)
     if not kinds:
         log(
             "data.labels_path=auto: nothing here uses labels (curriculum.sampler="
@@ -133,7 +139,7 @@ def maybe_difficulty_labels(
 ) -> list[Example]:
     """With `data.labels_path=auto` and a config that uses difficulty: the base policy's pass
     rates, sampled with the run's own sampler (or reused), applied to `examples`."""
-    if cfg.data.labels_path != AUTO or "difficulty" not in needed(cfg):
+    if cfg.data.labels_path != AUTO or "difficulty" not in needed(cfg.curriculum, cfg.algo):
         return examples
     from ebpo_lite.data import mathdata
     from ebpo_lite.data.jsonl import read_jsonl
@@ -152,7 +158,8 @@ def maybe_difficulty_labels(
         try:
             label_prompts(
                 cfg, examples, prompts, sampler, policy.tokenizer, reward, out,
-                max_new_tokens=cfg.rollout.max_new_tokens, batch_size=auto_batch_size(cfg),
+                max_new_tokens=cfg.rollout.max_new_tokens,
+                batch_size=auto_batch_size(cfg.train, cfg.rollout),
             )  # fmt: skip
         finally:
             sampler.sleep()

@@ -355,7 +355,7 @@ def build_run(cfg: config.Config, log: Callable[[str], None] = print) -> Run:
     says what it does, one line each: the data, the memory plan, the model (the hub's download
     progress follows), the sampler, and the labels `data.labels_path=auto` makes."""
     checks.before_load(cfg, log)
-    fns, weights = reward_functions(cfg)
+    fns, weights = reward_functions(cfg.reward, cfg.data)
     train_ex, eval_ex = data.load_train_eval(cfg.data)
     if not train_ex:
         raise UserError("data: no training examples; check data.max_examples and the data file")
@@ -450,18 +450,18 @@ def draw_seed(seed: int, step: int, draw: int) -> int:
     return int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0]) >> 1
 
 
-def reward_functions(cfg: config.Config):
+def reward_functions(r: config.RewardConfig, d: config.DataConfig):
     """The (name, function) pairs and weights of `reward.*`; `auto` picks by dataset."""
-    names = list(cfg.reward.functions)
+    names = list(r.functions)
     if names == ["auto"]:
-        names = rewards.default_reward_names("arithmetic" if data.is_arithmetic(cfg.data) else "")
+        names = rewards.default_reward_names("arithmetic" if data.is_arithmetic(d) else "")
     fns = []
     for name in names:
         try:
             fns.append((name, rewards.get_reward_fn(name)))
         except ValueError as e:
             raise ConfigError(f"reward.functions: {e}") from None
-    weights = list(cfg.reward.weights) or [1.0] * len(fns)
+    weights = list(r.weights) or [1.0] * len(fns)
     return fns, weights
 
 

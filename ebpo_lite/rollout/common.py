@@ -24,7 +24,7 @@ import torch
 from ebpo_lite.errors import ConfigError, UserError
 
 if TYPE_CHECKING:
-    from ebpo_lite.config import Config, RolloutConfig
+    from ebpo_lite.config import AlgoConfig, RolloutConfig
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 _warned_truncation = False
@@ -315,11 +315,10 @@ def outputs_to_rollout(prompt_ids: list[list[int]], outs: list, stop_ids: Sequen
 # ----------------------------------------------------------------------------- warnings
 
 
-def maybe_warn_truncation(cfg: Config) -> None:
+def maybe_warn_truncation(r: RolloutConfig, a: AlgoConfig) -> None:
     """Warn once per process when sampling is truncated (see `truncation_warning`)."""
     global _warned_truncation
-    r = cfg.rollout
-    msg = truncation_warning(r.top_p, r.top_k, r.min_p, cfg.algo.is_correction)
+    msg = truncation_warning(r.top_p, r.top_k, r.min_p, a.is_correction)
     if msg and not _warned_truncation:
         _warned_truncation = True
         warnings.warn(msg, stacklevel=3)

@@ -218,7 +218,7 @@ class UnslothRollout:
         self.max_model_len = derive_max_model_len(
             cfg.data.max_prompt_tokens, r.max_new_tokens, None, r.max_model_len
         )
-        maybe_warn_truncation(cfg)
+        maybe_warn_truncation(r, cfg.algo)
         self.workdir = adapter_workdir("unsloth", exchange_bytes(policy), log)
         self.lora_request: Any = None
         self.used_ids: list[int] = []

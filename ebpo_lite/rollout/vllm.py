@@ -121,7 +121,7 @@ class VLLMRollout:
             getattr(policy.model.config, "max_position_embeddings", None),
             r.max_model_len,
         )
-        maybe_warn_truncation(cfg)
+        maybe_warn_truncation(r, cfg.algo)
         self.workdir = adapter_workdir("vllm", exchange_bytes(policy), log)
         self.lora_request: Any = None  # vllm LoRARequest of the current policy version
         self.used_ids: list[int] = []  # every LoRA int id handed to the engine, in order
