@@ -10,6 +10,7 @@ local socket that never answers.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import inspect
 import socket
 import time
@@ -78,6 +79,15 @@ def test_a_4bit_vllm_gpu_recipe_on_this_cpu_machine_fails_with_every_reason(caps
     assert out.splitlines()[-1] == f"verdict: cannot run here ({len(found)} to fix)"
     plan = next(line for line in out.splitlines() if line.startswith("  plan "))
     assert "of 24 (24 GiB, the recipe's GPU; none here): fits" in plan
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
+def test_a_logger_without_its_package_is_a_problem(capsys, tmp_path):
+    """`checks.loggers` reads the log section (doctor hands it `cfg.log`): a missing wandb is a
+    problem line, not a traceback."""
+    status, out, _ = _doctor(capsys, "tiny_cpu", "log.wandb=true", f"output_dir={tmp_path / 'r'}")
+    found = [line[4:] for line in out.splitlines() if line.startswith("  x ")]
+    assert status == 1 and any(p.startswith("log.wandb: needs the wandb package") for p in found)
 
 
 @no_cuda_here

@@ -188,7 +188,7 @@ def problems_of(cfg: Config, s: stack.Stack) -> list[str]:
         from ebpo_lite.rollout.vllm import check_importable
 
         _try(found, check_importable)
-    _try(found, checks.loggers, cfg)
+    _try(found, checks.loggers, cfg.log)
     _try(found, checks.model_name, cfg.model.name)
     _try(found, labels.check_path, cfg)  # an uncached hub id without the hub: model_name says so
     return found
