@@ -111,7 +111,7 @@ def _write_export(cfg, run: Path, ckpt: Path, out: Path, trained, bad, merge: bo
         shutil.copytree(base_dir, out / "base")
     shutil.copy2(run / "config.yaml", out / "training_config.yaml")
     if merge:
-        merge_adapter(cfg, out, out / "merged")
+        merge_adapter(cfg.model, out, out / "merged")
     step = step_of(ckpt)
     info = {"run_dir": str(run.resolve()), "checkpoint": ckpt.name, "step": step, "base": base}
     info.update(extra_modules=extra, merged=merge)
@@ -173,7 +173,7 @@ def _copy_tokenizer(base_dir: Path | None, out: Path) -> None:
             shutil.copy2(base_dir / name, out / name)
 
 
-def merge_adapter(cfg: Any, adapter_dir: Path, out: Path) -> Path:
+def merge_adapter(m: Any, adapter_dir: Path, out: Path) -> Path:
     """base + the complete adapter in `adapter_dir` as full weights in `out` (never 4-bit).
 
     The base loads as the run loaded it; an NF4 base is then dequantized (transformers'
@@ -188,16 +188,16 @@ def merge_adapter(cfg: Any, adapter_dir: Path, out: Path) -> Path:
     from ebpo_lite.model.policy import _nf4_config
 
     base = json.loads((adapter_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
-    dtype = merge_dtype(cfg.model.dtype, _local_dir(base))
-    kwargs: dict[str, Any] = dict(dtype=dtype, trust_remote_code=cfg.model.trust_remote_code)
-    if cfg.model.load_in_4bit:
+    dtype = merge_dtype(m.dtype, _local_dir(base))
+    kwargs: dict[str, Any] = dict(dtype=dtype, trust_remote_code=m.trust_remote_code)
+    if m.load_in_4bit:
         kwargs["quantization_config"] = _nf4_config(dtype)
     try:
         model = AutoModelForCausalLM.from_pretrained(base, **kwargs)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"--merge: cannot load the base model {base!r} ({first})") from None
-    if cfg.model.load_in_4bit:
+    if m.load_in_4bit:
         model = model.dequantize()
     model = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
     with torch.no_grad():
