@@ -6,7 +6,7 @@ a GPU result (scripts/gpu_smoke.py, variant nf4_grads) is read against.
 Runs `ebpo_lite.commands.qlora_check.check` on a random Qwen3 of `qlora_check.LARGE_SHAPE` (4 layers,
 hidden 1024, GQA 16/8, head size 64) and single layers of `LARGE_LAYERS` in fp32, bf16 and fp16,
 and writes benchmarks/results/qlora_check_cpu.json with the command and the machine. What each
-number means and its bound: ebpo_lite/qlora_check.py. Exit status 1 if any is out of bounds.
+number means and its bound: ebpo_lite/commands/qlora_check.py. Exit status 1 if any is out of bounds.
 """
 
 from __future__ import annotations
