@@ -189,8 +189,9 @@ def template_cause(ctx: Context) -> str | None:
         return (
             "a prompt format the model does not know: the tiny model learnt only the built-in "
             "task's raw prompts ('12+7='), and these prompts go through the 'Question: ... "
-            "Answer:' format; use data.name=arithmetic with it, or a model that follows "
-            "instructions (model.name=smollm2, or a hub instruct model) for your own data"
+            "Answer:' format; send your file's prompts as they are (data.prompt_format=raw) "
+            "if they look like '12+7=', or use a model that follows instructions "
+            "(model.name=smollm2, or a hub instruct model) for your own data"
         )
     if not ctx.chat_template:
         return (
