@@ -228,7 +228,7 @@ def test_json_array_errors_give_the_line(tmp_path):
 
 def test_hub_offline_is_a_user_error():
     code = (
-        "from ebpo_lite import mathdata\nfrom ebpo_lite.config import DataConfig\n"
+        "from ebpo_lite.data import mathdata\nfrom ebpo_lite.config import DataConfig\n"
         "from ebpo_lite.errors import UserError\n"
         "try:\n    mathdata.load_examples(DataConfig(name='someone/some-math-set'))\n"
         "except UserError as e:\n    print('USERERROR', e)\n"

