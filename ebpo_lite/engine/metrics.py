@@ -30,7 +30,7 @@ class Metrics:
         config: dict | None = None,
     ):
         self.path = Path(output_dir) / "metrics.jsonl"
-        _truncate_after(self.path, start_step)
+        truncate_after(self.path, start_step)
         self.file = self.path.open("a")
         self.total = total_steps
         self.last_eval: dict[str, float] = {}
@@ -117,16 +117,17 @@ def _plain(v: Any) -> Any:
     return v
 
 
-def _truncate_after(path: Path, step: int) -> None:
+def truncate_after(path: Path, step: int) -> None:
     """On resume, drop records of steps after the checkpoint so the file tells one history; a
-    line cut short by a crash mid-write (not JSON) is dropped too."""
+    line cut short by a crash mid-write (not JSON) is dropped too; a fresh run (`step` 0) starts
+    a new file. metrics.jsonl and completions.jsonl (samples.py) both go through it."""
     if not path.exists():
         return
     if step == 0:
         path.unlink()
         return
     keep = []
-    for line in path.read_text(errors="replace").splitlines():
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             rec = json.loads(line)
         except ValueError:

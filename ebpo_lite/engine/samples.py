@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ebpo_lite.data.jsonl import write_atomic
+from ebpo_lite.engine.metrics import truncate_after
 
 if TYPE_CHECKING:
     import torch
@@ -228,25 +228,6 @@ def answer_cause(reward_names: Sequence[str], texts: list[str]) -> str:
 
 
 # ----------------------------------------------------------------------------- completions.jsonl
-
-
-def truncate_after(path: Path, step: int) -> None:
-    """On resume, drop rows of steps after the checkpoint and a line cut short by a crash; a
-    fresh run (`step` 0) starts a new file."""
-    if not path.exists():
-        return
-    if step == 0:
-        path.unlink()
-        return
-    keep = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
-            keep.append(line + "\n")
-    write_atomic(path, "".join(keep))
 
 
 def append_rows(path: Path, rows: list[dict[str, Any]], max_bytes: int = MAX_FILE_BYTES) -> bool:
