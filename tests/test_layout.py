@@ -1,10 +1,9 @@
 """The house rules of STYLE.md and issue 16 that a machine can check: no module over 600 lines,
-and no import circle between the package's modules (imports inside functions count; only
-`if TYPE_CHECKING:` blocks do not)."""
+a front door that imports without torch, a layout page naming every module. Import direction and
+circles: tests/test_import_layers.py."""
 
 from __future__ import annotations
 
-import ast
 import re
 import subprocess
 import sys
@@ -15,71 +14,6 @@ PACKAGE = REPO / "ebpo_lite"
 MAX_LINES = 600
 
 
-def _module_name(path) -> str:
-    parts = path.relative_to(REPO).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _imports(path, modules: set[str]) -> set[str]:
-    """Package modules that `path` imports anywhere but under `if TYPE_CHECKING:`."""
-    tree = ast.parse(path.read_text())
-    skip = {
-        id(n)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-        for n in ast.walk(node)
-    }
-    found = set()
-    for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-        else:
-            continue
-        for name in names:
-            while name and name not in modules:
-                name = name.rpartition(".")[0]
-            if name:
-                found.add(name)
-    return found
-
-
-def _graph() -> dict[str, set[str]]:
-    files = sorted(PACKAGE.rglob("*.py"))
-    modules = {_module_name(p) for p in files}
-    graph = {}
-    for p in files:
-        me = _module_name(p)
-        # a package may import its own submodules (re-exports, lazy backends): not a circle
-        graph[me] = {m for m in _imports(p, modules) if m != me and not m.startswith(me + ".")}
-    return graph
-
-
-def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    state: dict[str, int] = {}  # 1 = on the stack, 2 = done
-    stack: list[str] = []
-
-    def visit(m: str) -> list[str] | None:
-        state[m] = 1
-        stack.append(m)
-        for n in sorted(graph.get(m, ())):
-            if state.get(n) == 1:
-                return stack[stack.index(n) :] + [n]
-            if n not in state and (found := visit(n)):
-                return found
-        stack.pop()
-        state[m] = 2
-        return None
-
-    for m in sorted(graph):
-        if m not in state and (found := visit(m)):
-            return found
-    return None
-
-
 def test_no_module_over_600_lines():
     long = {
         str(p.relative_to(REPO)): n
@@ -87,15 +21,6 @@ def test_no_module_over_600_lines():
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"over {MAX_LINES} lines: {long}"
-
-
-def test_no_import_circle_between_modules():
-    assert _cycle(_graph()) is None, " -> ".join(_cycle(_graph()))
-
-
-def test_the_circle_finder_finds_a_circle():
-    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
-    assert _cycle({"a": {"b"}, "b": set()}) is None
 
 
 def test_the_front_door_and_the_package_import_without_torch():
