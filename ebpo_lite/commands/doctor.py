@@ -77,10 +77,17 @@ def gpu_lines() -> list[str]:
     """torch and CUDA, then one line per visible GPU (name, total and free memory)."""
     import torch
 
+    from ebpo_lite.model import driver
     from ebpo_lite.model.device import _cuda_available
 
     cuda = torch.version.cuda or "none"
-    lines = [f"torch        {torch.__version__} (CUDA build: {cuda})"]
+    found = driver.read()
+    lines = [
+        f"torch        {torch.__version__} (CUDA build: {cuda})",
+        f"driver       {found.words()}",
+    ]
+    if (why := driver.problem(found, driver.builds("vllm"))) is not None:
+        lines.append(f"             x {why}")
     if not _cuda_available():
         return [*lines, "GPUs         none visible"]
     for i in range(torch.cuda.device_count()):

@@ -48,8 +48,10 @@ def resolve_device(name: str, key: str = "model.device") -> torch.device:
         if not index_text.isdigit():
             raise ConfigError(f"{key}: expected cuda or cuda:N, got {name!r}")
         if not _cuda_available():
+            from ebpo_lite.model.driver import why_no_gpu
+
             raise ConfigError(
-                f"{key}: {name!r} asked for, but no CUDA device is visible "
+                f"{key}: {name!r} asked for, but {why_no_gpu()} "
                 f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); "
                 f"use {key}=cpu or auto"
             )

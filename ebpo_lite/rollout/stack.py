@@ -210,13 +210,21 @@ def refusals(cfg: Config, device: torch.device, stack: Stack | None = None) -> l
     m, backend = cfg.model, cfg.rollout.backend
     gpu, found = device.type == "cuda", []
     if m.load_in_4bit and backend == "vllm" and not gpu and is_hub_id(m.name):
+        from ebpo_lite.model.driver import why_no_gpu
+
         found.append(
             ConfigError(
-                f"model.load_in_4bit: {m.name} with rollout.backend=vllm is a GPU recipe and no "
-                "CUDA GPU is visible; run it on a CUDA GPU, or set model.load_in_4bit=false for "
-                "a CPU run (model.name=tiny or a local folder runs this path on CPU as a test)"
+                f"model.load_in_4bit: {m.name} with rollout.backend=vllm is a GPU recipe and "
+                f"{why_no_gpu(backend).replace('device', 'GPU', 1)}; run it on a CUDA GPU, or set "
+                "model.load_in_4bit=false for a CPU run (model.name=tiny or a local folder runs "
+                "this path on CPU as a test)"
             )
         )
+    if gpu and backend in ("vllm", "unsloth"):  # torch runs; vLLM's CUDA build may not
+        from ebpo_lite.model import driver
+
+        if (why := driver.problem(driver.read(), driver.builds(backend))) is not None:
+            found.append(UserError(f"rollout.backend={backend}: {why}"))
     if m.trainable_extra and m.load_in_4bit and backend == "vllm" and gpu:
         found.append(
             ConfigError(
