@@ -80,6 +80,43 @@ def test_trainer_state_is_plain_data(two_checkpoints):
     assert (random.random(), np.random.rand(), torch.rand(1)) == a
 
 
+def _gpus(monkeypatch, count: int) -> list:
+    """`count` CUDA generators, faked (no GPU here): torch's set_rng_state indexes
+    `torch.cuda.default_generators[idx]`, which raises IndexError past the GPUs there are;
+    this does the same. Patched in torch.cuda and torch.cuda.random (set_rng_state_all's)."""
+    import torch.cuda.random as cuda_random
+
+    generators = [None] * count
+
+    def set_state(state, device="cuda"):
+        generators[device if isinstance(device, int) else 0] = state.clone()
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_state)
+    monkeypatch.setattr(cuda_random, "set_rng_state", set_state)
+    return generators
+
+
+@pytest.mark.parametrize("saved_gpus, here", [(2, 1), (1, 2), (2, 2)])
+def test_resume_restores_the_gpus_this_machine_has(monkeypatch, capsys, saved_gpus, here):
+    """A 2 x T4 checkpoint on one T4 (it raised IndexError), and the reverse: the GPUs both
+    have are restored, one line says so; with equal counts every state is set, silently."""
+    saved = checkpoint.rng_state()
+    saved["cuda"] = [torch.full((8,), i, dtype=torch.uint8) for i in range(saved_gpus)]
+    generators = _gpus(monkeypatch, here)
+    checkpoint.set_rng_state(saved)
+    both = min(saved_gpus, here)
+    assert [int(g[0]) for g in generators[:both]] == list(range(both))
+    assert generators[both:] == [None] * (here - both)
+    out = capsys.readouterr().out
+    if saved_gpus == here:
+        assert out == ""
+    else:
+        assert out.count("\n") == 1 and f"random state of {saved_gpus} GPU(s)" in out
+        assert f"this machine has {here}" in out
+
+
 def test_disk_full_while_saving_keeps_the_previous_checkpoint(two_checkpoints, capsys, monkeypatch):
     out = two_checkpoints
     before = {p.name: _files(p) for p in checkpoint.list_checkpoints(out)}

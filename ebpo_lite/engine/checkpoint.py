@@ -61,7 +61,28 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        set_cuda_rng_states(state["cuda"])
+
+
+def set_cuda_rng_states(saved: list[torch.Tensor]) -> None:
+    """Each visible GPU's generator from the checkpoint's, as far as both go.
+
+    `torch.cuda.set_rng_state_all` sets one state per GPU the checkpoint saw and raises
+    IndexError on a machine with fewer (`torch/cuda/random.py`: `default_generators[idx]`), so a
+    Kaggle 2 x T4 checkpoint could not resume on a Colab T4. Where the counts differ, the GPUs
+    both have are restored, the rest keep their own seed, and one line says so: the run goes on,
+    exact only where the GPUs match (the trainer and a colocated sampler use GPU 0).
+    """
+    here = torch.cuda.device_count()
+    for i, s in enumerate(saved[:here]):
+        torch.cuda.set_rng_state(s, i)
+    if len(saved) != here:
+        print(
+            f"resume: the checkpoint holds the random state of {len(saved)} GPU(s), this "
+            f"machine has {here}: restored GPU 0-{min(len(saved), here) - 1}'s; the others "
+            "draw from their own seed (exact resume holds where the GPUs match)",
+            flush=True,
+        )
 
 
 def save(
