@@ -56,7 +56,11 @@ def train_step(run: Run, step: int, watch: samples.Watch | None = None) -> dict[
         # 3. loss and gradients over micro-batches, num_iterations passes over the rollout
         t1 = time.perf_counter()
         prompts = [rollout.prompt_ids[i // G] for i in range(len(rollout.completion_ids))]
-        loss_stats = run.optimize(prompts, rollout, adv.reshape(-1), mask.reshape(-1))
+        loss_stats = faults.retry_scaled(  # float16: an overflow redoes this, at half the scale
+            lambda: run.optimize(prompts, rollout, adv.reshape(-1), mask.reshape(-1)),
+            undo,
+            run.scaler,
+        )
         t_train = time.perf_counter() - t1
         gpu.mark("train")  # sampler asleep
     except faults.NonFinite:

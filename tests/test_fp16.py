@@ -194,33 +194,60 @@ def _fp16(out, **extra):
     return config.load(TINY_RECIPE, fast_overrides(out, **more))
 
 
-def test_fp16_run_counts_overflow_skips_and_resumes_the_scale(tmp_path, monkeypatch):
-    """On the tiny model in float16, through the training loop: step 1's gradients overflow
-    (planted: its scaled loss is multiplied by inf), a skipped step counted in
-    `train/skipped_steps` that halves the scale; the scale is logged (`train/loss_scale`) and
-    saved, and the resumed run goes on with it (the clean-update count included: growth after
-    2 here, so a scaler that restarted would log 2^16 at step 3)."""
+def _overflow_above(monkeypatch, limit: float) -> list[float]:
+    """Plant float16 overflow: the scaled loss is inf whenever the scale exceeds `limit`
+    (what a run whose gradients need a scale of `limit` or lower meets). Returns the scales
+    each backward ran at."""
+    scale_loss, scales = LossScaler.scale_loss, []
+
+    def planted(self, value):
+        scales.append(self.scale)
+        return scale_loss(self, value) * (float("inf") if self.scale > limit else 1.0)
+
+    monkeypatch.setattr(LossScaler, "scale_loss", planted)
+    return scales
+
+
+def test_fp16_overflow_redoes_the_step_and_resumes_the_scale(tmp_path, monkeypatch, capsys):
+    """On the tiny model in float16, through the training loop: a run that needs a loss scale
+    of 2^11 or lower, from 2^16. Step 1's updates are redone on the same rollout at each halved
+    scale, five times, and the step is kept (it was skipped, and five skips in a row stopped the
+    run: train.max_consecutive_skips=2 here stops it at step 2). No skip is counted, the scale
+    and its retries are logged, saved, and the resumed run goes on with the scale and its
+    clean-update count (growth after 3 here: a scaler that restarted the count would not retry
+    at step 4, one that restarted the scale would retry five times at step 3)."""
     from ebpo_lite.train import train
 
-    monkeypatch.setattr(scaler_mod, "GROWTH_INTERVAL", 2)
-    scale_loss, calls = LossScaler.scale_loss, [0]
-
-    def overflow_once(self, value):
-        calls[0] += 1
-        return scale_loss(self, value) * (float("inf") if calls[0] == 1 else 1.0)
-
-    monkeypatch.setattr(LossScaler, "scale_loss", overflow_once)
+    monkeypatch.setattr(scaler_mod, "GROWTH_INTERVAL", 3)
+    scales = _overflow_above(monkeypatch, 2.0**11)
     out = tmp_path / "run"
-    train(_fp16(out, **{"train.steps": 4, "train.stop_after": 2}))
-    train(_fp16(out, **{"train.steps": 4, "train.resume": "true"}))
+    limits = {"train.steps": 4, "train.max_consecutive_skips": 2}
+    train(_fp16(out, **limits, **{"train.stop_after": 2}))
+    assert "redoing this step's updates on the same rollout at 2048" in capsys.readouterr().out
+    train(_fp16(out, **limits, **{"train.resume": "true"}))
     recs = [r for r in read_metrics(out / "metrics.jsonl") if "train/skipped_steps" in r]
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
-    assert [r["train/skipped_steps"] for r in recs] == [1, 1, 1, 1]
-    assert recs[0]["train/skip_reason"] == "scaled_gradients"
-    assert [r.get("train/loss_scale") for r in recs] == [None, 2.0**15, 2.0**15, 2.0**16]
+    assert [r["train/skipped_steps"] for r in recs] == [0, 0, 0, 0]
+    # step 3's update is the third clean one: the scale grows to 2^12, overflows at step 4 and
+    # that step is redone at 2^11 (a scaler that restarted the count would not have grown)
+    assert [r["train/scale_retries"] for r in recs] == [5, 0, 0, 1]
+    assert [r["train/loss_scale"] for r in recs] == [2.0**11] * 4
+    assert scales[:6] == [2.0**k for k in range(16, 10, -1)]  # one backward a try (1 micro-batch)
     state = torch.load(out / "checkpoints" / "step_4" / "trainer_state.pt", weights_only=True)
-    assert state["extra"]["loss_scale"] == {"scale": 2.0**16, "clean": 1}
-    assert state["extra"]["skips"]["total"] == 1
+    assert state["extra"]["loss_scale"] == {"scale": 2.0**11, "clean": 1}
+    assert state["extra"]["skips"]["total"] == 0
+
+
+def test_fp16_overflow_at_every_scale_skips_and_stops(tmp_path, monkeypatch):
+    """Gradients that overflow even unscaled: the retries go down to a scale of 1, then the
+    step is skipped and counted, and train.max_consecutive_skips=1 stops the run in one line."""
+    from ebpo_lite.train import train
+
+    scales = _overflow_above(monkeypatch, 0.0)
+    out = tmp_path / "run"
+    with pytest.raises(TrainingFault, match="overflowed at every loss scale tried, down to 1"):
+        train(_fp16(out, **{"train.steps": 2, "train.max_consecutive_skips": 1}))
+    assert scales == [2.0**k for k in range(16, -1, -1)]  # 2^16 ... 1: 17 tries, then the skip
 
 
 def test_the_t4_combination_gets_fp32_lora_and_loss_scaling(tmp_path):

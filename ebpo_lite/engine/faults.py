@@ -13,8 +13,13 @@ exactly the pre-fault weights. The curriculum has moved on (its
 prompts were drawn; non-finite rewards reach it as unscorable).
 
 With float16 compute, loss scaling (`scaler.LossScaler`) expects an occasional overflow: non-finite
-gradients of a finite loss halve the scale and raise `NonFinite("scaled_gradients")`, a skipped
-step like the others (the scale's change is kept: that is the point).
+gradients of a finite loss halve the scale and raise `NonFinite("scaled_gradients")`. That is the
+scale's search, not a fault of the step: `retry_scaled` puts back what the attempt's updates
+changed (`Undo.restore_updates`: weights and optimizer state; the EB prior keeps its observation)
+and redoes the optimisation of the same rollout at the halved scale, so minutes of T4 sampling
+are not thrown away and the search (2^16 down to a run's 2^11: five halvings) never counts toward
+`train.max_consecutive_skips`. Only gradients that overflow at a scale of 1 or below (unscaled
+float16 itself) skip the step, as every other fault does (the scale's change is kept).
 
 `Skips` counts skipped steps (`train/skipped_steps`, in checkpoints) and stops the run with a
 one-line `TrainingFault` (exit status 3) naming the likely cause after
@@ -24,6 +29,7 @@ one-line `TrainingFault` (exit status 3) naming the likely cause after
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,8 +45,8 @@ CAUSES = {
     "float32 instead of float16",
     "gradients": "the gradients overflowed: lower train.lr or train.max_grad_norm, or use "
     "model.dtype=bfloat16 / float32 instead of float16",
-    "scaled_gradients": "the float16 gradients overflowed at every loss scale tried (each skip "
-    "halved it): lower train.lr, or use model.dtype=bfloat16 / float32 on a GPU that has it",
+    "scaled_gradients": "the float16 gradients overflowed at every loss scale tried, down to 1 "
+    "(unscaled): lower train.lr, or use model.dtype=bfloat16 / float32 on a GPU that has it",
 }
 
 
@@ -93,13 +99,43 @@ class Undo:
             self.optim = _to_host(run.optimizer.state_dict())
 
     def restore(self) -> None:
+        """Everything: the step is skipped."""
+        self.restore_updates()
+        if self.prior is not None:
+            self.run.prior.restore(self.prior)
+
+    def restore_updates(self) -> None:
+        """What optimizer updates changed (trainable tensors, optimizer state, gradients), so the
+        same rollout can be optimised again (`retry_scaled`). A one-update step needs only the
+        gradients cleared: its update is checked before `optimizer.step()`."""
         run = self.run
         run.optimizer.zero_grad(set_to_none=True)
-        if self.prior is not None:
-            run.prior.restore(self.prior)
         if self.weights is not None:
             run.policy.load_trainable_state(self.weights)
             run.optimizer.load_state_dict(self.optim)
+
+
+def retry_scaled(optimize: Callable[[], dict[str, Any]], undo: Undo, scaler) -> dict[str, Any]:
+    """`optimize()` (a step's updates over one rollout), redone on the same rollout after each
+    float16 overflow, which has halved the loss scale, until it passes: at most log2(scale) + 1
+    tries. An overflow at a scale of 1 or below re-raises (the step is then skipped and counted),
+    as does every other fault. With float16 the stats carry `train/scale_retries`."""
+    retries = 0
+    while True:
+        try:
+            stats = optimize()
+        except NonFinite as fault:
+            if fault.reason != "scaled_gradients" or scaler.scale < 1.0:
+                raise
+            undo.restore_updates()
+            retries += 1
+            print(
+                f"redoing this step's updates on the same rollout at {scaler.scale:g}", flush=True
+            )
+            continue
+        if scaler is not None and scaler.enabled:
+            stats["train/scale_retries"] = retries
+        return stats
 
 
 class Skips:

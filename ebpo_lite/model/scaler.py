@@ -14,8 +14,9 @@ T = 20,000: the worst LoRA tensor's gradient is off by 0.47 against fp32; with t
 What (torch.amp.GradScaler's semantics and defaults, torch 2.13 `torch/amp/grad_scaler.py`):
 the loss is multiplied by `scale` (2^16 at first) before backward, the gradients are divided by it
 before clipping, and an update whose gradients are not finite while the loss is halves the scale
-and is not applied (`faults.check_update` raises `NonFinite("scaled_gradients")`; the whole step
-is then skipped and counted as `train/skipped_steps`, as every numerical fault is). After
+and is not applied (`faults.check_update` raises `NonFinite("scaled_gradients")`;
+`faults.retry_scaled` then redoes the step's updates on the same rollout at the halved scale, and
+only an overflow at a scale of 1 or below skips the step, counted as `train/skipped_steps`). After
 `growth_interval` clean updates in a row the scale doubles. The scale is a power of two, so
 scaling and unscaling are exact in fp32: only under- and overflow change anything.
 
