@@ -18,7 +18,10 @@ __version__ = "0.1.0"
 
 # name -> the module that defines it, imported when the name is first used
 _HOMES = {
-    **dict.fromkeys(("load_config", "train_run", "evaluate", "export_run", "TrainResult"), "api"),
+    **dict.fromkeys(
+        ("load_config", "train_run", "evaluate", "export_run", "resume_or_new", "TrainResult"),
+        "api",
+    ),
     **dict.fromkeys(
         (
             "Config",

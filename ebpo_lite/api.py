@@ -193,6 +193,47 @@ def train_run(cfg: Config) -> TrainResult:
     return TrainResult(Path(cfg.output_dir), summary)
 
 
+def resume_or_new(cfg: Config, resume: bool | str = "auto", log=print) -> Config:
+    """`cfg` with the run folder and `train.resume` a notebook's train cell needs when it is run
+    again (Run all after changing a cell, or after a reconnect), and one line saying which.
+
+    `resume="auto"`: continue `output_dir`'s run when it holds checkpoints and the settings let
+    it go on (the keys `train.resume` refuses to change, such as model.name, are the same, and
+    train.steps is not below the steps done; other changes are listed when it starts), else a
+    new run in the first `<output_dir>-2`, `-3`, ... without checkpoints. `True`: continue (a
+    setting that cannot change raises its one-line ConfigError, as `train.resume=true` does).
+    `False`: always a new run, in a free folder when `output_dir` holds checkpoints. Nothing
+    is deleted or overwritten. Without checkpoints in `output_dir` it is a new run there.
+    """
+    from ebpo_lite.engine import checkpoint, checks
+
+    if resume not in (True, False, "auto"):
+        raise ConfigError(f"resume: expected True, False or 'auto', got {resume!r}")
+    out = Path(cfg.output_dir)
+    found = checkpoint.latest(out)
+    again = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=True))
+    if found is not None and resume is not False:
+        try:
+            checks.output_dir(again, log=lambda _: None)
+            log(f"run folder: continuing {out} from {found.name} (resume=False starts a new run)")
+            return again
+        except ConfigError as e:
+            if resume is True:
+                raise
+            why = f"it cannot continue there ({e})"
+    else:
+        why = "resume=False"
+    fresh = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=False))
+    if found is None:
+        log(f"run folder: {out} (a new run)")
+        return fresh
+    k = 2
+    while checkpoint.latest(Path(f"{out}-{k}")) is not None:
+        k += 1
+    log(f"run folder: a new run in {out}-{k}, since {out} holds a run and {why}")
+    return dataclasses.replace(fresh, output_dir=f"{out}-{k}")
+
+
 def evaluate(
     target: PathLike,
     benchmark: str | None = None,

@@ -76,6 +76,7 @@ def test_every_name_the_python_page_documents_exists():
     for paren, line in re.findall(r"from ebpo_lite import (?:\(([^)]*)\)|([^\n(]+))", text):
         names |= set(re.findall(r"\w+", paren or line))
     modules = {p.stem for p in (REPO / "ebpo_lite").glob("*.py")}
+    modules |= {p.parent.name for p in (REPO / "ebpo_lite").glob("*/__init__.py")}  # commands/
     assert {"load_config", "train_run", "evaluate", "export_run"} <= names
     missing = [n for n in sorted(names) if n not in modules and not hasattr(ebpo_lite, n)]
     assert not missing, f"docs/python.md names what ebpo_lite does not have: {missing}"
@@ -284,3 +285,44 @@ def test_the_example_script_trains_evaluates_and_exports(tmp_path):
     ids = torch.tensor([tokenizer.encode("47+38=", add_special_tokens=False)])
     got = model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1] :]
     assert tokenizer.decode(got, skip_special_tokens=True).strip() == answer[1]
+
+
+# ----------------------------------------------------------------------------- run again
+
+
+def test_resume_or_new_continues_or_starts_beside_never_refuses(tmp_path):
+    """A notebook's train cell run twice (issue 38 item 8: it stopped with 'output_dir already
+    holds checkpoints'): the same settings continue the run; a setting resume cannot change
+    starts a new run beside it; RESUME=False always does; each says so in one line."""
+    from tests.conftest import TINY_RECIPE, fast_overrides
+
+    out = tmp_path / "run"
+    lines: list[str] = []
+    first = api.resume_or_new(config.load(TINY_RECIPE, fast_overrides(out)), log=lines.append)
+    assert first.output_dir == str(out) and not first.train.resume
+    assert lines == [f"run folder: {out} (a new run)"]
+    api.train_run(dataclasses.replace(first, train=dataclasses.replace(first.train, steps=1)))
+    with pytest.raises(ConfigError, match="already holds checkpoints"):  # what the cell did
+        api.train_run(config.load(TINY_RECIPE, fast_overrides(out)))
+
+    again = api.resume_or_new(config.load(TINY_RECIPE, fast_overrides(out)), log=lines.append)
+    assert again.output_dir == str(out) and again.train.resume
+    assert lines[-1] == f"run folder: continuing {out} from step_1 (resume=False starts a new run)"
+    changed = config.load(TINY_RECIPE, fast_overrides(out, **{"model.lora_rank": 4}))
+    beside = api.resume_or_new(changed, log=lines.append)
+    assert beside.output_dir == f"{out}-2" and not beside.train.resume
+    assert lines[-1].startswith(f"run folder: a new run in {out}-2, since {out} holds a run")
+    assert "model.lora_rank" in lines[-1] and "\n" not in lines[-1]
+    with pytest.raises(ConfigError, match="model.lora_rank"):
+        api.resume_or_new(changed, resume=True)
+    new = api.resume_or_new(config.load(TINY_RECIPE, fast_overrides(out)), resume=False, log=print)
+    assert new.output_dir == f"{out}-2" and not new.train.resume
+
+
+@pytest.mark.parametrize("name", ["colab_qwen3_gsm8k", "kaggle_qwen3_math"])
+def test_the_gpu_notebooks_train_cell_runs_again(name):
+    """Their train cell goes through resume_or_new and hands its folder to the cells below."""
+    book = json.loads((REPO / "notebooks" / f"{name}.ipynb").read_text())
+    cells = ["".join(c["source"]) for c in book["cells"] if c["cell_type"] == "code"]
+    (train_cell,) = [c for c in cells if "summary = train(cfg)" in c]
+    assert "resume_or_new(" in train_cell and "OUT = cfg.output_dir" in train_cell

@@ -194,6 +194,10 @@ def test_gpu_notebook_runs_in_smoke_mode(name, tmp_path, monkeypatch):
     assert json.loads((out / "eval.json").read_text())["benchmarks"]["arithmetic"]
     assert list((out / "plots").glob("*.png"))
     assert list((out / "export").rglob("adapter_model.safetensors"))
+    if name == GPU_NAMES[0]:  # Run all a second time in the same folder (it stopped at train)
+        again = _execute(name, out, monkeypatch)
+        assert f"run folder: continuing {out} from step_3" in again
+        assert "training: nothing to do" in again and "adapter:" in again
 
 
 def test_kernel_runs_this_interpreter():
