@@ -24,6 +24,7 @@ import yaml
 from ebpo_lite.algo.loss_keys import check_loss_keys
 from ebpo_lite.catalog import recipe_path
 from ebpo_lite.errors import ConfigError
+from ebpo_lite.renamed import apply_renames
 
 ESTIMATORS = ("grpo", "dr_grpo", "rloo", "ebpo")
 SAMPLERS = ("shuffle", "topic", "difficulty", "adaptive")
@@ -96,7 +97,7 @@ class RolloutConfig:
     kv_cache_gb: float = 0.5  # CPU only: explicit KV-cache size (vLLM otherwise takes 90% of RAM)
     gpu_memory_utilization: float = 0.35
     max_lora_rank: int = 0  # 0: model.lora_rank rounded up to a size vLLM accepts
-    sleep_between_phases: bool = True  # GPU only: free vLLM memory while training
+    sleep: str = "offload"  # GPU, while training: offload (weights to host RAM) | kv | none
     enforce_eager: bool = True
 
 
@@ -233,6 +234,7 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
         raw = _read_yaml(recipe_path(path))
     for item in overrides:
         _apply_override(raw, item)
+    apply_renames(raw)  # older keys (renamed.py), e.g. rollout.sleep_between_phases
     cfg = _build(Config, raw, prefix="")
     validate(cfg)
     # where it came from, for commands printed back to the user (not a field: never dumped)
@@ -467,6 +469,7 @@ def validate(cfg: Config) -> None:
     _check(r.top_k >= 0, "rollout.top_k", f"must be >= 0, got {r.top_k}")
     _check(0 <= r.min_p < 1, "rollout.min_p", f"must be in [0, 1), got {r.min_p}")
     _one_of(r.hf_loop, ("generate", "lean"), "rollout.hf_loop")
+    _one_of(r.sleep, ("offload", "kv", "none"), "rollout.sleep")
     _check(r.kv_cache_gb > 0, "rollout.kv_cache_gb", "must be > 0")
     _check(
         0 < r.gpu_memory_utilization < 1,

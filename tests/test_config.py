@@ -136,3 +136,38 @@ def test_cli_help(capsys):
 
     assert main(["--help"]) == 0 and "usage" in capsys.readouterr().out
     assert main([]) == 2  # no recipe: usage, and a failing status
+
+
+def test_rollout_sleep_takes_its_three_modes_and_refuses_others_in_one_line():
+    for mode in ("offload", "kv", "none"):
+        assert config.load(None, [f"rollout.sleep={mode}"]).rollout.sleep == mode
+    assert config.Config().rollout.sleep == "offload"
+    with pytest.raises(ConfigError) as e:
+        config.load(None, ["rollout.sleep=ofload"])
+    msg = str(e.value)
+    assert msg.startswith("rollout.sleep: expected one of offload, kv, none") and "\n" not in msg
+    assert "did you mean offload?" in msg
+    with pytest.raises(ConfigError, match=r"^rollout\.sleep: expected a string, got True"):
+        config.load(None, ["rollout.sleep=true"])
+
+
+def test_deprecated_sleep_between_phases_reads_as_rollout_sleep(capsys):
+    """An older run's config.yaml (eval reads it back) keeps loading: true is offload, false
+    none, with a one-line note; a non-bool, or a different rollout.sleep beside it, is refused
+    in one line naming the old key; a dump writes only rollout.sleep."""
+    on = config.load(None, ["rollout.sleep_between_phases=true"])
+    assert on.rollout.sleep == "offload" and not hasattr(on.rollout, "sleep_between_phases")
+    off = config.load(None, ["rollout.sleep_between_phases=false", "rollout.sleep=none"])
+    assert off.rollout.sleep == "none"
+    err = capsys.readouterr().err
+    assert err.count("note: rollout.sleep_between_phases is deprecated") == 2
+    assert "read as rollout.sleep=none" in err
+    for bad in (["rollout.sleep_between_phases=false", "rollout.sleep=kv"],
+                ["rollout.sleep_between_phases=1"]):  # fmt: skip
+        with pytest.raises(ConfigError) as e:
+            config.load(None, bad)
+        msg = str(e.value)
+        assert msg.startswith("rollout.sleep_between_phases: deprecated (true: rollout.sleep=")
+        assert "\n" not in msg
+    dumped = yaml.safe_load(config.dump(on))["rollout"]
+    assert dumped["sleep"] == "offload" and "sleep_between_phases" not in dumped

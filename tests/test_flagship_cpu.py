@@ -43,7 +43,7 @@ CHANGED = {
 GPU_ONLY = {
     "rollout.gpu_memory_utilization": "vLLM's share of GPU memory; a CPU engine sizes its KV "
     "cache from rollout.kv_cache_gb (default 0.5 GiB)",
-    "rollout.sleep_between_phases": "CPU vLLM has no sleep mode; the sleep / wake phase "
+    "rollout.sleep": "CPU vLLM has no sleep mode; the sleep / wake phase "
     "bookkeeping still runs (tests/test_vllm_rollout.py checks it)",
     "model.load_in_4bit": "the trainer's base is NF4 here as on a GPU; vLLM makes its own "
     "NF4 copy on CPU too where vllm-bnb-plugin is installed (the vllm tier) and the engine is "

@@ -31,6 +31,7 @@ LAYERS = {
     "algo": 1,  # pure math on tensors: no model, no file, no config object
     "catalog": 1,  # the packaged recipes and notebooks, recipe names
     "presets": 1,  # data presets, benchmarks and the held-out rules config checks at load
+    "renamed": 1,  # config keys renamed since older recipes and run folders were written
     "config": 2,  # typed config (it checks the loss menu's names with algo.loss_keys)
     "rewards": 3,
     "data": 4,

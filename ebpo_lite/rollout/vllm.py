@@ -31,12 +31,15 @@ Process and devices:
 - Adapters go through /dev/shm when it has room for two versions (`common.adapter_workdir`;
   Docker's default is 64 MiB), else the temp dir; each sync deletes the previous version once
   the engine has dropped it (`generate` returns only after every request, so no read is left).
-- `rollout.sleep_between_phases`: the loop calls `sleep()` before training (level 1: weights to
-  host memory, KV cache freed) and `wake()` once before a sampling phase (all rollout draws of a
-  step, all eval chunks); `generate` and a base reload wake it if needed, never put it back to
-  sleep. The engine calls happen on GPU only (CPU vLLM has no sleep mode), but the phase
-  bookkeeping (`asleep`, `sleep_calls`, `wake_calls`) runs everywhere, so CPU tests see the
-  pattern a GPU would.
+- `rollout.sleep`: the loop calls `sleep()` before training and `wake()` once before a sampling
+  phase (all rollout draws of a step, all eval chunks); `generate` and a base reload wake it if
+  needed, never put it back to sleep. offload: `LLM.sleep(level=1)`, weights copied to pinned
+  host memory and back each step, KV cache freed; kv: `LLM.sleep(level=0)` +
+  `release_kv_cache_memory()` (vLLM >= 0.31, refused at start otherwise), back with
+  `wake_up(tags=["kv_cache"])`, weights kept; none: no calls, no counts (docs/gpu.md,
+  `model.plan_vllm` for the upstream lines). The engine calls happen on GPU only (CPU vLLM has
+  no sleep mode), but the phase bookkeeping (`asleep`, `sleep_calls`, `wake_calls`) runs
+  everywhere, so CPU tests see the pattern a GPU would.
 
 Log-probs: each sampled token's log-prob under the distribution it was drawn from, pinned as
 `logprobs_mode="processed_logprobs"` (vLLM's default, `raw_logprobs`, is the temperature-1
@@ -112,8 +115,13 @@ class VLLMRollout:
         r = cfg.rollout
         self.device = _rollout_device(r.device, policy.device)
         self.on_gpu = self.device.type == "cuda"
-        self.sleeps = self.on_gpu and r.sleep_between_phases  # engine calls (GPU only)
-        self.sleep_between_phases = r.sleep_between_phases
+        self.sleep_mode = r.sleep  # offload | kv | none (module docstring)
+        self.sleeps = self.on_gpu and r.sleep != "none"  # engine calls (GPU only)
+        if r.sleep == "kv" and not hasattr(_import_vllm().LLM, "release_kv_cache_memory"):
+            raise UserError(
+                "rollout.sleep: kv needs vLLM >= 0.31 (LLM.release_kv_cache_memory); this vLLM "
+                "has no such call: use rollout.sleep=offload or none"
+            )
         self.sleep_calls = self.wake_calls = 0  # phase transitions, counted on every device
         self.max_model_len = derive_max_model_len(
             cfg.data.max_prompt_tokens,
@@ -261,18 +269,22 @@ class VLLMRollout:
         self._push_adapter(policy, version)
 
     def wake(self) -> None:
-        """Start a sampling phase: weights and KV cache back (on GPU) if asleep."""
+        """Start a sampling phase: what `sleep` freed back (on GPU) if asleep."""
         if self.asleep:
-            if self.sleeps:
-                self.llm.wake_up()
+            if self.sleeps:  # offload: weights copied back, KV remapped; kv: KV remapped
+                self.llm.wake_up(tags=["kv_cache"] if self.sleep_mode == "kv" else None)
             self.asleep = False
             self.wake_calls += 1
 
     def sleep(self) -> None:
-        """Before training: level-1 sleep (on GPU) when `rollout.sleep_between_phases`."""
-        if self.sleep_between_phases and not self.asleep:
-            if self.sleeps:
+        """Before training, as `rollout.sleep` says: offload (level-1 sleep), kv (pause, then
+        free the KV cache alone) or none (nothing); the engine calls on GPU only."""
+        if self.sleep_mode != "none" and not self.asleep:
+            if self.sleeps and self.sleep_mode == "offload":
                 self.llm.sleep(level=1)
+            elif self.sleeps:
+                self.llm.sleep(level=0)  # release_kv_cache_memory needs a paused scheduler
+                self.llm.release_kv_cache_memory()
             self.asleep = True
             self.sleep_calls += 1
 
