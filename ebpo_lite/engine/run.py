@@ -349,11 +349,15 @@ def load_policy(cfg: config.Config, log=print) -> Policy:
     return Policy.from_config(cfg, log=log)
 
 
-def build_run(cfg: config.Config, log: Callable[[str], None] = print) -> Run:
+def build_run(
+    cfg: config.Config, log: Callable[[str], None] = print, policy: Policy | None = None
+) -> Run:
     """Everything a run holds. The user's mistakes surface first, before any write or model load:
     the config against the machine and paths (`checks`), the reward functions, the data. Then it
     says what it does, one line each: the data, the memory plan, the model (the hub's download
-    progress follows), the sampler, and the labels `data.labels_path=auto` makes."""
+    progress follows), the sampler, and the labels `data.labels_path=auto` makes.
+    `policy`: one built elsewhere, used instead of loading `model.name` (scripts/gpu_smoke_stages.py
+    builds a random-weight Qwen3-8B in place: its folder holds a config but no weight files)."""
     checks.before_load(cfg, log)
     fns, weights = reward_functions(cfg.reward, cfg.data)
     train_ex, eval_ex = data.load_train_eval(cfg.data)
@@ -376,7 +380,7 @@ def build_run(cfg: config.Config, log: Callable[[str], None] = print) -> Run:
     preflight(cfg)  # on a GPU: refuse a plan that cannot fit before the model loads (CPU: no-op)
     log(startup.memory_line(cfg))
     log(startup.model_line(cfg.model))
-    policy = load_policy(cfg)
+    policy = load_policy(cfg) if policy is None else policy
     prompt_ids = data.encode_prompts(policy.tokenizer, train_ex, cfg.data)
     backend = make_backend(cfg, policy)
     log(startup.sampler_line(cfg.rollout, cfg.train))

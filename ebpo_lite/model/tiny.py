@@ -53,15 +53,17 @@ def tiny_config_kwargs() -> dict:
     )
 
 
-def build_tokenizer():
-    """Character-level tokenizer: specials + printable ASCII, padded to VOCAB_SIZE."""
+def build_tokenizer(vocab_size: int = VOCAB_SIZE):
+    """Character-level tokenizer: specials + printable ASCII, padded with `<unusedN>` tokens to
+    `vocab_size` (a larger one gives every id of a bigger model's vocabulary a text:
+    scripts/gpu_smoke_stages.py's random Qwen3-8B)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     chars = [c for c in string.printable if c not in "\r\x0b\x0c"]
     vocab_list = [PAD, EOS, BOS, "<unk>"] + chars
-    vocab_list += [f"<unused{i}>" for i in range(VOCAB_SIZE - len(vocab_list))]
-    assert len(vocab_list) == VOCAB_SIZE
+    vocab_list += [f"<unused{i}>" for i in range(vocab_size - len(vocab_list))]
+    assert len(vocab_list) == vocab_size
     vocab = {tok: i for i, tok in enumerate(vocab_list)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
