@@ -28,6 +28,11 @@ recipes/tiny_cpu.yaml moved to the GPU (model.device=cuda):
     vllm_nf4    + NF4 base in trainer and vLLM             skipped without vllm or bitsandbytes
     unsloth     Unsloth sampler                            skipped when unsloth is missing
 
+Then the stages for the real recipes' shapes, each in its own child too (scripts/
+gpu_smoke_stages.py): fp16_scaler (float16 loss scaling), sleep_wake (vLLM tokens across
+sleep with the same adapter), qwen3_8b_step (one train_step of a random-weight Qwen3-8B in
+NF4, memory per phase against the planner), hf_tokens_per_s (the transformers sampler's rate).
+
 The model is built locally: `tiny` (0.53 M parameters, warmed up for a few hundred supervised
 steps first, so rewards are not all zero) or `small` (a 8-layer, 1024-wide Qwen3 with the tiny
 character tokenizer, random weights, saved to a temporary folder). Each variant records: its
@@ -67,8 +72,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # runs from a checkout: ebpo_lite need not be installed
-    sys.path.insert(0, str(REPO))
+for _path in (REPO, Path(__file__).resolve().parent):  # a checkout: ebpo_lite, the stages beside
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+import gpu_smoke_stages as stages  # noqa: E402 (needs the path above; imports no torch)
+
 # Nothing here imports torch or ebpo_lite at module level: they are imported in the children.
 OFFLINE_ENV = {  # no internet on the GPU machine: fail fast instead of waiting on the network
     "HF_HUB_OFFLINE": "1",
@@ -78,6 +86,7 @@ OFFLINE_ENV = {  # no internet on the GPU machine: fail fast instead of waiting 
 }
 RECIPE = REPO / "recipes" / "tiny_cpu.yaml"
 VARIANTS = ("nf4_grads", "hf_16bit", "hf_nf4", "vllm_16bit", "vllm_nf4", "unsloth")
+ALL = VARIANTS + stages.STAGES  # the stages for the real recipes' shapes: gpu_smoke_stages.py
 BUDGET_S = 450  # the whole run, wheels included: under 8 minutes with room to write the result
 MIN_VARIANT_S = 45  # less time left than this: the remaining variants are skipped
 OUT_OF_TIME = "skipped: out of time"
@@ -91,6 +100,7 @@ def missing_requirements(variant: str) -> str | None:
         "vllm_16bit": ["vllm"],
         "vllm_nf4": ["vllm", "bitsandbytes"],
         "unsloth": ["unsloth"],
+        **stages.NEEDS,
     }.get(variant, [])
     for pkg in needs:
         if importlib.util.find_spec(pkg) is None:
@@ -167,13 +177,13 @@ def run_within_budget(
     `done(entries so far)` after each.
 
     A variant gets at most the time left of `budget_s` (counted from `started` on `clock`);
-    with less than MIN_VARIANT_S left it, and every variant after it, is recorded as
-    OUT_OF_TIME without running.
+    with less than MIN_VARIANT_S (a stage: its stages.MIN_S) left it is recorded as OUT_OF_TIME
+    without running.
     """
     entries = []
     for v in variants:
         left = budget_s - (clock() - started)
-        if left < MIN_VARIANT_S:
+        if left < max(MIN_VARIANT_S, stages.MIN_S.get(v, 0)):
             entries.append(
                 {"variant": v, "status": OUT_OF_TIME, "reason": f"{max(left, 0):.0f} s left"}
             )
@@ -315,6 +325,8 @@ def run_child(variant: str, argv: list[str], result_path: Path, device: str = "c
         torch.cuda.reset_peak_memory_stats()
     if variant == "nf4_grads":
         return run_check_child(argv, result_path, device)
+    if variant in stages.STAGES:
+        return stages.run_stage(variant, argv, result_path, device)
     from ebpo_lite import config, train
     from ebpo_lite.model import plan
 
@@ -436,9 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child-result", help=argparse.SUPPRESS)
     ap.add_argument("child_argv", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    unknown = sorted(set(filter(None, args.only.split(","))) - set(VARIANTS))
+    unknown = sorted(set(filter(None, args.only.split(","))) - set(ALL))
     if unknown:
-        print(f"gpu_smoke: --only: no variant {', '.join(unknown)} (have {', '.join(VARIANTS)})",
+        print(f"gpu_smoke: --only: no variant {', '.join(unknown)} (have {', '.join(ALL)})",
               file=sys.stderr)  # fmt: skip
         return 2
 
@@ -462,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         facts = machine_facts(device)  # with the versions of what is now installed
     # the CPU rehearsal proves the plumbing, not 16-bit numerics
     dtype = "float32" if device == "cpu" else ("bfloat16" if facts.pop("bf16") else "float16")
-    chosen = [v for v in VARIANTS if not args.only or v in args.only.split(",")]
+    chosen = [v for v in ALL if not args.only or v in args.only.split(",")]
     report = {
         **facts,
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
@@ -481,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     def save(entries: list[dict], complete: bool = False) -> None:
         """The report so far; rewritten after each variant, so a run cut short keeps its results."""
         report.update(variants=entries, complete=complete, wall_s=time.monotonic() - started)
+        report["not_run"] = {e["variant"]: e.get("reason") for e in entries if "reason" in e}
         # strict JSON: the children's results are (json_ready), and this process adds times only
         out.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
 
@@ -488,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         model = build_small_model(Path(tmp) / "small") if args.model == "small" else "tiny"
 
         def run_one(v: str, left: float) -> dict:
-            reason = missing_requirements(v)
+            reason = stages.skip_reason(v, device, missing_requirements(v))
             if reason:
                 print(f"gpu_smoke: {v}: skipped ({reason})", flush=True)
                 return {"variant": v, "status": "skipped", "reason": reason}
@@ -511,6 +524,8 @@ def run_variant(
     out_dir, result = tmp / v, tmp / f"{v}.json"
     if v == "nf4_grads":
         child_argv = list(dict.fromkeys(["float32", dtype]))  # the dtypes to check
+    elif v in stages.STAGES:
+        child_argv = stages.child_argv(v, out_dir, args.steps, dtype, device, variant_overrides)
     else:
         child_argv = [str(RECIPE), *variant_overrides(v, out_dir, args.steps, dtype, model, device)]
     cmd = [
@@ -558,8 +573,8 @@ def _text(b) -> str:
 
 
 def summary(e: dict) -> str:
-    if e["status"] != "ok":
-        return f"(rc {e.get('returncode')}): {e.get('log_tail', '')[-300:]}"
+    if e["variant"] in stages.STAGES or e["status"] != "ok":
+        return stages.summary(e)  # a failure's line too
     peak = e.get("peak_allocated_gb")
     text = f"{e['wall_s']:.1f}s" + (f", peak {peak:.2f} GiB allocated" if peak is not None else "")
     if e["variant"] == "nf4_grads":

