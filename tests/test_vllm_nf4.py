@@ -10,8 +10,8 @@ engine is half precision (`rollout.dtype=float16`) and keeps full precision, and
 float32 (`rollout.vllm.cpu_nf4_blocker`). docs/qlora.md has the numbers.
 
 Tolerance (`TOL_NF4`): the plugin runs every 4-bit matmul in bfloat16 whatever the engine dtype
-(`quantization/linear.py`, `_apply_4bit_weight`: the input is cast to bf16, the output is bf16),
-so the gap to the fp32 NF4 trainer is bf16 round-off, not fp32's 2e-5 (tests/test_vllm_rollout):
+(`quantization/linear.py`, `_apply_4bit_weight`: the input is cast to bf16, the output is bf16;
+`rollout/bnb_dtype.py` now keeps a float16 engine's in float16, the last two tests), so the gap to the fp32 NF4 trainer is bf16 round-off, not fp32's 2e-5 (tests/test_vllm_rollout):
 measured on the warmed tiny model, 16 prompts x 8 samples (369 tokens), max 0.019 nats, mean
 0.0013, with a float16 engine (bf16 engine: 0.038; a full-precision bf16 engine against the
 full-precision trainer: 0.037, shared/PLATFORM.md). 0.06 is 3x the measurement and still well
@@ -139,3 +139,75 @@ def test_the_plugin_still_cannot_load_a_float32_engine(tmp_path):
     assert run.returncode != 0
     tail = run.stderr[-3000:]
     assert "vllm_bnb_plugin/quantization/params.py" in tail and "AssertionError" in tail, tail
+
+
+def _matmul_input_dtypes(model: torch.nn.Module) -> list[str]:
+    """In the process that holds vLLM's model: the dtypes reaching `bitsandbytes.matmul_4bit`
+    through the plugin's 4-bit linear, for a float16 input to its first quantised layer (the real
+    function runs; it is wrapped only to record its input)."""
+    import bitsandbytes
+    from vllm_bnb_plugin.quantization.linear import BitsAndBytesLinearMethod
+
+    layer = next(
+        m
+        for m in model.modules()
+        if isinstance(getattr(m, "quant_method", None), BitsAndBytesLinearMethod)
+    )
+    seen: list[str] = []
+    real = bitsandbytes.matmul_4bit
+
+    def recording(a, *args, **kwargs):
+        seen.append(str(a.dtype))
+        return real(a, *args, **kwargs)
+
+    bitsandbytes.matmul_4bit = recording
+    try:
+        x = torch.randn(3, layer.input_size_per_partition, dtype=torch.float16)  # [T, in]
+        out = layer.quant_method.apply(layer, x)
+    finally:
+        bitsandbytes.matmul_4bit = real
+    return sorted(set(seen)) + [f"out {out.dtype}"]
+
+
+def test_a_float16_engine_runs_its_4bit_matmuls_in_float16(tmp_path, monkeypatch):
+    """Issue 38 item 3: vllm-bnb-plugin 0.0.3 casts every 4-bit matmul's input to bfloat16
+    (`rollout/bnb_dtype.py` cites the lines), so a T4's float16 engine left bitsandbytes' fp16
+    kernels. With the patch, in one short generate of the in-process engine, every input that
+    reaches `bitsandbytes.matmul_4bit` (real, wrapped only to record) is float16; so is one
+    layer's, probed in place. Before the patch: bfloat16."""
+    import bitsandbytes
+
+    cfg = _cfg(tmp_path, "rollout.group_size=2", "rollout.max_new_tokens=4")
+    backend = VLLMRollout(cfg, Policy.from_config(cfg), log=lambda line: None)
+    seen: set[torch.dtype] = set()
+    real = bitsandbytes.matmul_4bit
+
+    def recording(a, *args, **kwargs):
+        seen.add(a.dtype)
+        return real(a, *args, **kwargs)
+
+    monkeypatch.setattr(bitsandbytes, "matmul_4bit", recording)
+    try:
+        backend.generate([[5, 6, 7, 8]], 2, seed=0)
+        probed = backend.llm.apply_model(_matmul_input_dtypes)
+    finally:
+        backend.close()
+    assert seen == {torch.float16}
+    assert probed == [["torch.float16", "out torch.float16"]]
+
+
+def test_an_engine_in_its_own_process_is_patched_too(tmp_path, monkeypatch):
+    """The engine's own process (V1 multiprocessing, as off cuda:0 on a GPU) is patched by
+    ebpo-lite's vllm.general_plugins entry point, asked for through the engine's environment.
+    The probe runs in that process (`apply_model`, pickled: hence the insecure-serialisation
+    switch, for this test only). About 55 s, most of it the engine process's start; before the
+    entry point was installed it saw bfloat16 (and `bnb_dtype.engine_env` warned)."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    cfg = _cfg(tmp_path, "rollout.group_size=2", "rollout.max_new_tokens=4")
+    backend = VLLMRollout(cfg, Policy.from_config(cfg), log=lambda line: None)
+    try:
+        probed = backend.llm.apply_model(_matmul_input_dtypes)
+    finally:
+        backend.close()
+    assert probed == [["torch.float16", "out torch.float16"]]

@@ -28,6 +28,8 @@ Process and devices:
   multiprocessing) with `CUDA_VISIBLE_DEVICES` naming that one GPU for the child: vLLM's worker
   takes `cuda:0` of what it sees (`common.engine_process_env`). On CPU the vllm tier runs this
   mode too (tests/test_vllm_multiprocess.py); only the device placement is left to a GPU.
+- 4-bit on float16 (a T4): the plugin's bf16 matmuls are patched to float16 in the engine's
+  process, whichever it is (`rollout/bnb_dtype.py`; vllm-bnb-plugin 0.0.3 only, else a warning).
 - Adapters go through /dev/shm when it has room for two versions (`common.adapter_workdir`;
   Docker's default is 64 MiB), else the temp dir; each sync deletes the previous version once
   the engine has dropped it (`generate` returns only after every request, so no read is left).
@@ -217,6 +219,10 @@ class VLLMRollout:
                     f"model.load_in_4bit: the vLLM sampler keeps a full-precision base ({why_not})"
                 )
         env = self._engine_env()
+        if kwargs.get("quantization") == "bitsandbytes":  # 4-bit matmuls in float16 (bnb_dtype)
+            from ebpo_lite.rollout import bnb_dtype
+
+            env.update(bnb_dtype.engine_env(dtype, env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"))
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)  # a no-op once an in-process engine exists
         LLM = _import_vllm().LLM
