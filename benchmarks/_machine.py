@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shlex
@@ -73,3 +74,14 @@ def command() -> str:
     python = str(exe.relative_to(ROOT)) if exe.is_relative_to(ROOT) else "python"
     script = os.path.relpath(sys.argv[0], ROOT) if sys.argv[0] else "-"
     return shlex.join([python, script, *sys.argv[1:]])
+
+
+def write_results(results: dict, out: str) -> None:
+    """`results` as indented JSON to `out` (its folder made), or to stdout for `-`."""
+    text = json.dumps(results, indent=2)
+    if out == "-":
+        print(text)
+        return
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(text + "\n")
+    print(f"wrote {out}")

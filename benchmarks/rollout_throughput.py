@@ -25,14 +25,13 @@ tests of the GPU design, not for speed.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from _machine import command, machine
+from _machine import command, machine, write_results
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "rollout_throughput_cpu.json"
@@ -184,13 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             results["models"][name] = run_model(name.strip(), args, Path(tmp))
-    text = json.dumps(results, indent=2)
-    if args.out == "-":
-        print(text)
-    else:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
-        print(f"wrote {args.out}")
+    write_results(results, args.out)
     return results
 
 

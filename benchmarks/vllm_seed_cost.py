@@ -30,7 +30,6 @@ Measured here: see `results/vllm_seed_cost_cpu.json` and docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -38,7 +37,7 @@ import time
 from pathlib import Path
 
 import torch
-from _machine import command
+from _machine import command, write_results
 from rollout_throughput import _machine, build_model_dir, make_cfg, prompts_for
 
 REPO = Path(__file__).resolve().parents[1]
@@ -215,13 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
         for name in args.models.split(","):
             results["models"][name] = run_model(name.strip(), args, Path(tmp))
     results["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    text = json.dumps(results, indent=2)
-    if args.out == "-":
-        print(text)
-    else:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
-        print(f"wrote {args.out}")
+    write_results(results, args.out)
     return results
 
 
