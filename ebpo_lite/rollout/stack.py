@@ -215,7 +215,7 @@ def refusals(cfg: Config, device: torch.device, stack: Stack | None = None) -> l
         found.append(
             ConfigError(
                 f"model.load_in_4bit: {m.name} with rollout.backend=vllm is a GPU recipe and "
-                f"{why_no_gpu(backend).replace('device', 'GPU', 1)}; run it on a CUDA GPU, or set "
+                f"{why_no_gpu(backend)}; run it on a CUDA GPU, or set "
                 "model.load_in_4bit=false for a CPU run (model.name=tiny or a local folder runs "
                 "this path on CPU as a test)"
             )
