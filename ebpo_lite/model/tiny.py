@@ -106,14 +106,21 @@ def cache_root() -> Path:
 
 
 def warm_tiny_model(
-    steps: int, seed: int, data_seed: int, log=print, progress: str = "lines"
+    steps: int,
+    seed: int,
+    data_seed: int,
+    log=print,
+    progress: str = "lines",
+    tool_share: float = 0.0,
 ) -> Path:
     """Return a folder holding the tiny model after `steps` of supervised warm-up (cached).
 
     `progress` (`log.progress`'s values) shows a cache miss's warm-up as it runs: a tqdm bar
     (`bar`, or `auto` on a terminal), a line through `log` every tenth of the steps (`lines`,
-    `auto` elsewhere), or only its first and last lines (`none`)."""
-    out = warm_cache_dir(steps, seed, data_seed)
+    `auto` elsewhere), or only its first and last lines (`none`). `tool_share > 0` warms it up
+    for the calculator task instead (`tiny_tools.supervised_tool_warmup`: that share of targets
+    are calls of the calculator, the rest direct answers with the same slip)."""
+    out = warm_cache_dir(steps, seed, data_seed, tool_share)
     if _is_saved(out):
         return out
     # One warm-up per cache entry, not one per process: a second run started meanwhile (CI's
@@ -126,11 +133,16 @@ def warm_tiny_model(
     ):
         if _is_saved(out):  # saved by the process we waited for
             return out
-        return _warm_and_save(out, steps, seed, data_seed, log, progress)
+        return _warm_and_save(out, steps, seed, data_seed, log, progress, tool_share)
 
 
-def warm_cache_dir(steps: int, seed: int, data_seed: int) -> Path:
-    key = json.dumps(dict(v=TINY_VERSION, steps=steps, seed=seed, data_seed=data_seed))
+def warm_cache_dir(steps: int, seed: int, data_seed: int, tool_share: float = 0.0) -> Path:
+    fields = dict(v=TINY_VERSION, steps=steps, seed=seed, data_seed=data_seed)
+    if tool_share > 0:  # only then: the key of a plain warm-up stays what it always was
+        from ebpo_lite.model.tiny_tools import TOOL_WARMUP_VERSION
+
+        fields.update(tool_share=float(tool_share), tool_v=TOOL_WARMUP_VERSION)
+    key = json.dumps(fields)
     return cache_root() / f"tiny-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
@@ -160,7 +172,13 @@ def exclusive(lock: Path, log, busy: str):
 
 
 def _warm_and_save(
-    out: Path, steps: int, seed: int, data_seed: int, log, progress: str = "lines"
+    out: Path,
+    steps: int,
+    seed: int,
+    data_seed: int,
+    log,
+    progress: str = "lines",
+    tool_share: float = 0.0,
 ) -> Path:
     from ebpo_lite.data.loader import arithmetic_examples
 
@@ -169,11 +187,19 @@ def _warm_and_save(
     if steps > 0:
         t0 = time.perf_counter()
         train = arithmetic_examples(4500, seed=data_seed, split="train")
-        log(f"tiny model: supervised warm-up, {steps} steps (once; then cached)")
+        what = f"calculator calls on {tool_share:.0%} of targets, " if tool_share > 0 else ""
+        log(f"tiny model: supervised warm-up, {what}{steps} steps (once; then cached)")
         with warmup_progress(steps, progress, log) as tick:
-            acc = supervised_warmup(
-                model, tokenizer, train, steps=steps, seed=seed, slip=WARMUP_SLIP, on_step=tick
-            )
+            if tool_share > 0:
+                from ebpo_lite.model.tiny_tools import supervised_tool_warmup
+
+                acc = supervised_tool_warmup(
+                    model, tokenizer, train, steps, seed, WARMUP_SLIP, tool_share, on_step=tick
+                )
+            else:
+                acc = supervised_warmup(
+                    model, tokenizer, train, steps=steps, seed=seed, slip=WARMUP_SLIP, on_step=tick
+                )
         log(
             f"tiny model: supervised warm-up {steps} steps in {time.perf_counter() - t0:.0f}s "
             f"(train-batch token accuracy {acc:.2f}); cached at {out}"
