@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ import yaml
 from ebpo_lite.algo.loss_keys import check_loss_keys
 from ebpo_lite.catalog import recipe_path
 from ebpo_lite.errors import ConfigError
+from ebpo_lite.presets import check_held_out, parse_eval_size  # noqa: F401 (re-exported)
 from ebpo_lite.renamed import apply_renames
 
 ESTIMATORS = ("grpo", "dr_grpo", "rloo", "ebpo")
@@ -46,6 +46,7 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
     sft_warmup_steps: int = 3000  # tiny model only: supervised warm-up, cached under ~/.cache
+    sft_tool_share: float = 0.0  # tiny model only: warm-up share of calculator-tool episodes
     sft_seed: int = 0
 
 
@@ -166,6 +167,19 @@ class CurriculumConfig:
 
 
 @dataclass(frozen=True)
+class EnvConfig:
+    """Multi-turn tool use (docs/tools.md): TRL's environment contract."""
+
+    # module:Class, one instance per episode; or {name: module:Class}, by the `environment` column
+    factory: str | dict[str, str] | None = None
+    tools: list[str] = field(default_factory=list)  # module:function tools without state
+    max_turns: int = 4  # model turns per episode (each tool round is one)
+    max_tool_response_tokens: int = 256  # a longer tool result is cut, with a marker
+    tool_timeout_s: float = 10.0  # per call: a hung tool is killed, the model told so
+    format: str = "auto"  # how calls are written: auto (tiny for the tiny model, else chat)
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     steps: int = 200
     seed: int = 0
@@ -218,6 +232,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -371,7 +386,13 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
         args = [a for a in typing.get_args(typ) if a is not type(None)]
         if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
             return None
+        if isinstance(value, dict) and any(typing.get_origin(a) is dict for a in args):
+            return _coerce(value, next(a for a in args if typing.get_origin(a) is dict), key)
         return _coerce(value, args[0], key)
+    if origin is dict:  # {str: str}
+        if not isinstance(value, dict) or not value:
+            raise ConfigError(f"{key}: expected a mapping of names to values, got {value!r}")
+        return {str(k): _coerce(v, str, f"{key}.{k}") for k, v in value.items()}
     if origin is list:
         (inner,) = typing.get_args(typ)
         if isinstance(value, str) and inner is str:
@@ -452,6 +473,7 @@ def validate(cfg: Config) -> None:
         0 <= m.lora_dropout < 1, "model.lora_dropout", f"must be in [0, 1), got {m.lora_dropout}"
     )
     _check(m.sft_warmup_steps >= 0, "model.sft_warmup_steps", "must be >= 0")
+    _check(0 <= m.sft_tool_share <= 1, "model.sft_tool_share", "must be in [0, 1]")
     _check(bool(m.device), "model.device", "must not be empty")
     _check(d.max_examples >= 0, "data.max_examples", "must be >= 0")
     _check(d.num_train >= 1, "data.num_train", "must be >= 1")
@@ -548,47 +570,11 @@ def validate(cfg: Config) -> None:
     _check(e.temperature >= 0, "eval.temperature", "must be >= 0")
     for name in e.benchmarks:
         _one_of(name, ("arithmetic", *BENCHMARKS), "eval.benchmarks")
+    v = cfg.env
+    _check(v.max_turns >= 1, "env.max_turns", f"must be >= 1, got {v.max_turns}")
+    _check(v.max_tool_response_tokens >= 1, "env.max_tool_response_tokens", "must be >= 1")
+    _check(v.tool_timeout_s > 0, "env.tool_timeout_s", f"must be > 0, got {v.tool_timeout_s}")
+    _one_of(v.format, ("auto", "tiny", "chat"), "env.format")
     _one_of(cfg.log.progress, ("auto", "bar", "lines", "none"), "log.progress")
     _check(cfg.log.show_completions >= 0, "log.show_completions", "must be >= 0 (0: off)")
     _check(cfg.log.completions_every >= 0, "log.completions_every", "must be >= 0 (0: never)")
-
-
-def parse_eval_size(value: str) -> float | int | None:
-    """`data.eval_size` as a fraction (float in (0, 1)), a count (int >= 0), or None (auto)."""
-    text = str(value).strip().lower()
-    if text == "auto":
-        return None
-    if re.fullmatch(r"\d+", text):
-        return int(text)
-    try:
-        frac = float(text)
-    except ValueError:
-        frac = None
-    if frac is None or frac < 0:
-        raise ConfigError(
-            f"data.eval_size: expected auto, a fraction in (0, 1) or a count >= 0, got {value!r}"
-        )
-    if not 0 < frac < 1:
-        raise ConfigError(
-            f"data.eval_size: a fraction must be in (0, 1), got {value!r}; write a count "
-            "without a decimal point (data.eval_size=50)"
-        )
-    return frac
-
-
-def check_held_out(cfg: DataConfig) -> None:
-    """`data.eval_size` / `data.eval_path`: each well formed, and not set against each other or
-    against the built-in task (config validation: one line naming the key)."""
-    size = parse_eval_size(cfg.eval_size)
-    if size is not None and cfg.eval_path:
-        raise ConfigError(
-            f"data.eval_size: {cfg.eval_size} together with data.eval_path; hold rows out of the "
-            "training data (eval_size) or read them from a file (eval_path), not both"
-        )
-    if size is not None and cfg.name in ("arithmetic", "arithmetic_chat") and cfg.path is None:
-        raise ConfigError(
-            f"data.eval_size: the built-in {cfg.name} task holds out its own problems; set "
-            "data.num_eval instead"
-        )
-    if cfg.eval_path is not None and not cfg.eval_path.strip():
-        raise ConfigError("data.eval_path: must not be empty (null: none)")

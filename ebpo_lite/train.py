@@ -25,6 +25,7 @@ from ebpo_lite import cli, config, rewards
 from ebpo_lite.algo.advantages import frac_zero_std_groups
 from ebpo_lite.data.jsonl import write_atomic
 from ebpo_lite.engine import checkpoint, faults, samples
+from ebpo_lite.engine.episodes import episode_metrics
 from ebpo_lite.engine.metrics import Metrics, read_metrics
 from ebpo_lite.engine.run import Run, build_run
 from ebpo_lite.model.device import StepMemory
@@ -34,7 +35,7 @@ from ebpo_lite.train_eval import evaluate_policy
 def train_step(run: Run, step: int, watch: samples.Watch | None = None) -> dict[str, Any]:
     """One RL step, top to bottom. Returns the step's metrics; `watch` shows what the model
     wrote (samples.py)."""
-    policy, G = run.policy, run.cfg.rollout.group_size
+    policy = run.policy
     # 1. sample prompts and G completions each (prompt-major rows: i * G + g); the curriculum
     #    sees every drawn group, dynamic sampling keeps the informative ones
     t0 = time.perf_counter()
@@ -55,7 +56,7 @@ def train_step(run: Run, step: int, watch: samples.Watch | None = None) -> dict[
         faults.check_advantages(adv, mask)
         # 3. loss and gradients over micro-batches, num_iterations passes over the rollout
         t1 = time.perf_counter()
-        prompts = [rollout.prompt_ids[i // G] for i in range(len(rollout.completion_ids))]
+        prompts = rollout.row_prompts()  # row i * G + g: its prompt
         loss_stats = faults.retry_scaled(  # float16: an overflow redoes this, at half the scale
             lambda: run.optimize(prompts, rollout, adv.reshape(-1), mask.reshape(-1)),
             undo,
@@ -71,7 +72,9 @@ def train_step(run: Run, step: int, watch: samples.Watch | None = None) -> dict[
     t_sync = time.perf_counter() - t1 - t_train
     # 5. metrics
     #    (rewards over every drawn group: the kept ones are selected for mixed rewards)
-    lengths = torch.tensor([len(c) for c in rollout.completion_ids], dtype=torch.float)
+    lengths = torch.tensor(  # tokens the model wrote (tool results are the environment's)
+        [rollout.loss_tokens(i) for i in range(len(rollout.completion_ids))], dtype=torch.float
+    )
     drawn, drawn_mask = sample.drawn_rewards, sample.drawn_mask  # [B_drawn, G]
     valid = drawn[drawn_mask]
     if watch is not None:  # what the model wrote: printed, written, warned about (samples.py)
@@ -87,6 +90,7 @@ def train_step(run: Run, step: int, watch: samples.Watch | None = None) -> dict[
         "train/groups_drawn": len(sample.drawn_idx),
         "train/groups_kept": len(sample.idx),
         **sample.reward_errors,
+        **episode_metrics(rollout.episodes or []),  # tool use: turns, calls, errors, seconds
         **loss_stats,
         **{f"adv/{k}": v for k, v in adv_stats.items()},
         "time/rollout_s": t_rollout,
@@ -96,9 +100,10 @@ def train_step(run: Run, step: int, watch: samples.Watch | None = None) -> dict[
     }
 
 
-def train(cfg: config.Config) -> dict[str, Any]:
-    """Run (or resume) training; returns the summary that is also printed."""
-    run = build_run(cfg)
+def train(cfg: config.Config, env_objects: tuple | None = None) -> dict[str, Any]:
+    """Run (or resume) training; returns the summary that is also printed. `env_objects`: the
+    Python API's environment class and tool functions (`build_run`)."""
+    run = build_run(cfg, env_objects=env_objects)
     out = Path(cfg.output_dir)
     start, resumed = run.maybe_resume()
     skips = faults.Skips(cfg.train.max_consecutive_skips)
@@ -184,6 +189,8 @@ def train(cfg: config.Config) -> dict[str, Any]:
         metrics.close()
         run.backend.close()
         rewards.close_contained(run.reward_fns)
+        if run.tools is not None:
+            run.tools.close()
     seconds = time.perf_counter() - t_start
     done = (start, step)
     return _summary(cfg, run, first_eval, last_eval, done, seconds, eval_s, last_eval_step)

@@ -49,7 +49,8 @@ from ebpo_lite.rewards import (
 )
 
 if TYPE_CHECKING:
-    from ebpo_lite.engine.run import Run
+    from ebpo_lite.engine.episodes import episode_metrics
+from ebpo_lite.engine.run import Run
 
 BENCHMARK_CHUNK = 64  # problems per eval_examples call (fixes each chunk's sampling seed)
 
@@ -63,15 +64,15 @@ def evaluate_policy(run: Run) -> dict[str, Any]:
     t0 = time.perf_counter()
     if examples:
         prompts = [encode_prompt(policy.tokenizer, ex, cfg.data) for ex in examples]
+        if run.episodes is not None:  # tool use: the prompts as training renders them
+            prompts = [run.episodes.encode(ex) for ex in examples]
         sampler = eval_sampler(run, prompts, 1, max_new)
-        roll = sampler.generate(
-            prompts,
-            1,
-            seed=cfg.train.seed,
-            temperature=cfg.eval.temperature,
-            max_new_tokens=max_new,
-        )
-        texts = policy.tokenizer.batch_decode(roll.completion_ids, skip_special_tokens=True)
+        roll = sample(run, sampler, examples, prompts, max_new)
+        if roll.episodes is not None:  # an episode's answer is its last model turn
+            texts = [ep.final_text for ep in roll.episodes]
+            out.update(episode_metrics(roll.episodes, prefix="eval/env"))
+        else:
+            texts = policy.tokenizer.batch_decode(roll.completion_ids, skip_special_tokens=True)
         _, fn = run.reward_fns[0]
         golds = [ex.answer for ex in examples]
         if fn is math_answer:  # the same scores, with the extraction method of each
@@ -87,7 +88,7 @@ def evaluate_policy(run: Run) -> dict[str, Any]:
             out["eval/reward"] = _total_reward(run, scores, texts, examples)
         if isinstance(fn, ContainedReward):  # a user function: masked scores are left out
             out["eval/reward_errors"] = take_error_counts([fn])["reward/errors"]
-        if is_arithmetic(cfg.data):
+        if is_arithmetic(cfg.data) and run.episodes is None:  # one-turn answers only
             exact = expected_accuracies(policy, prompts, [ex.answer for ex in examples])
             out.update(per_type_means("eval/expected_accuracy", exact, examples))
     if cfg.eval.benchmarks:
@@ -95,6 +96,16 @@ def evaluate_policy(run: Run) -> dict[str, Any]:
     if out:
         out["time/eval_s"] = time.perf_counter() - t0
     return out
+
+
+def sample(run: Run, sampler: Any, examples: list, prompts: list[list[int]], max_new: int):
+    """One completion per held-out prompt at `eval.temperature`: one `generate`, or with tool
+    use whole episodes (engine/episodes.py), on `sampler`."""
+    cfg = run.cfg
+    kwargs = dict(seed=cfg.train.seed, temperature=cfg.eval.temperature, max_new_tokens=max_new)
+    if run.episodes is not None:
+        return run.episodes.run(sampler, examples, prompts, 1, **kwargs)
+    return sampler.generate(prompts, 1, **kwargs)
 
 
 def _total_reward(run: Run, scores: list, texts: list[str], examples: list) -> float:

@@ -34,6 +34,7 @@ LAYERS = {
     "renamed": 1,  # config keys renamed since older recipes and run folders were written
     "config": 2,  # typed config (it checks the loss menu's names with algo.loss_keys)
     "rewards": 3,
+    "env": 3.5,  # tool use's contract, containment and formats (the loop is engine/episodes)
     "data": 4,
     "model": 5,
     "rollout": 6,

@@ -4,7 +4,7 @@
 The export folder (default `RUN_DIR/export`) holds
 - `adapter_model.safetensors` + `adapter_config.json`: the final (or `--checkpoint`) adapter,
   complete: LoRA plus any other trained tensors (`model.trainable_extra`, e.g. the tiny recipe's
-  norms) as peft `modules_to_save` (`policy.add_extra_weights`), so
+  norms) as peft `modules_to_save` (`extra_weights.add_extra_weights`), so
   `PeftModel.from_pretrained(base, out)` reproduces the trained model (tests/test_export.py
   compares logits). `base_model_name_or_path` names the base the run loaded: a hub id, or for
   `model.name: tiny` the warmed model's folder in the cache; the tiny base (about 2 MB) is also
@@ -61,7 +61,7 @@ def export_run(
     """Write the export folder of a training run (see the module docstring); returns it."""
     from ebpo_lite import config
     from ebpo_lite.engine.checkpoint import read_tensors
-    from ebpo_lite.model.policy import unsaveable_extra
+    from ebpo_lite.model.extra_weights import unsaveable_extra
 
     run = Path(run_dir)
     if not (run / "config.yaml").is_file():
@@ -99,7 +99,7 @@ def export_run(
 def _write_export(cfg, run: Path, ckpt: Path, out: Path, trained, bad, merge: bool) -> None:
     """The export folder's files, into `out` (see the module docstring)."""
     from ebpo_lite.engine.checkpoint import step_of
-    from ebpo_lite.model.policy import add_extra_weights
+    from ebpo_lite.model.extra_weights import add_extra_weights
 
     for name in ("adapter_model.safetensors", "adapter_config.json"):
         shutil.copy2(ckpt / name, out / name)

@@ -3,7 +3,7 @@
 `<output_dir>/checkpoints/step_<N>/` holds
 - `adapter_model.safetensors` + `adapter_config.json`: the LoRA adapter in peft's format, with
   any extra trained base tensors (`model.trainable_extra`, e.g. norms) as peft `modules_to_save`,
-  so `PeftModel.from_pretrained(base, path)` loads the trained model (`policy.add_extra_weights`;
+  so `PeftModel.from_pretrained(base, path)` loads the trained model (`extra_weights.add_extra_weights`;
   `ebpo-lite export` makes the shareable folder);
 - `trainable.safetensors`: every trainable tensor by its exact name (LoRA and any extra base
   tensors such as norms), used for exact resume;

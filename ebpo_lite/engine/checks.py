@@ -52,6 +52,7 @@ RESUME_KEYS = (
     "model.trainable_extra",
     "model.sft_warmup_steps",
     "model.sft_seed",
+    "model.sft_tool_share",
     "algo.estimator",
     "algo.prior_key",
     "algo.prompt_prior",

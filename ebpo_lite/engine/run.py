@@ -25,6 +25,7 @@ from ebpo_lite.algo.loss_keys import AGGREGATION, loss_options, loss_type_of
 from ebpo_lite.data import loader as data
 from ebpo_lite.data.jsonl import write_atomic
 from ebpo_lite.engine import checkpoint, checks, faults, labels, startup
+from ebpo_lite.engine import tools as env_runtime
 from ebpo_lite.errors import ConfigError, UserError
 from ebpo_lite.model.policy import Policy, completion_logprobs, dropout_in_training
 from ebpo_lite.model.scaler import LossScaler
@@ -62,6 +63,8 @@ class Run:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: LossScaler = field(default_factory=lambda: LossScaler(False))  # on for float16
+    tools: Any = None  # engine.tools.Tools: environments and tools (env.*), or None
+    episodes: Any = None  # engine.episodes.EpisodeRunner: multi-turn rollouts, with `tools`
 
     # ------------------------------------------------------------------ sampling and scoring
     def sample_and_score(self, step: int) -> Sample:
@@ -73,7 +76,7 @@ class Run:
         were dropped; unscorable completions (reward None) are not counted as trials.
         """
         cfg = self.cfg
-        B, G = cfg.train.prompts_per_step, cfg.rollout.group_size
+        B = cfg.train.prompts_per_step
         idx, roll, r, m = self._draw(B, step, 0)
         self.curriculum.update(idx, curriculum_rewards(r, m))
         drawn = (idx, r, m)
@@ -84,13 +87,13 @@ class Run:
                 extra += 1
                 i2, roll2, r2, m2 = self._draw(B, step, extra)
                 self.curriculum.update(i2, curriculum_rewards(r2, m2))
-                idx, roll = idx + i2, _concat(roll, roll2)
+                idx, roll = idx + i2, roll + roll2
                 r, m = torch.cat([r, r2]), torch.cat([m, m2])
                 keep = torch.cat([keep, curriculum.informative_groups(r2, m2)])
             drawn = (idx, r, m)
             chosen = keep.nonzero().flatten()[:B].tolist() or list(range(B))
             idx = [idx[i] for i in chosen]
-            roll, r, m = _select(roll, chosen, G), r[chosen], m[chosen]
+            roll, r, m = roll.rows(chosen), r[chosen], m[chosen]
         return Sample(idx, roll, r, m, *drawn, extra, rewards.take_error_counts(self.reward_fns))
 
     def observe(self, sample: Sample) -> None:
@@ -102,10 +105,14 @@ class Run:
     def _draw(self, n: int, step: int, draw: int):
         idx = self.curriculum.next_batch(n)
         seed = draw_seed(self.cfg.train.seed, step, draw)
-        roll = self.backend.generate(
-            [self.prompt_ids[i] for i in idx], self.cfg.rollout.group_size, seed=seed
-        )
-        r, m = self.score([self.train_examples[i] for i in idx], roll)
+        prompts, examples = [self.prompt_ids[i] for i in idx], [self.train_examples[i] for i in idx]
+        if self.episodes is not None:  # tool use: multi-turn episodes (engine/episodes.py)
+            roll = self.episodes.run(
+                self.backend, examples, prompts, self.cfg.rollout.group_size, seed
+            )
+        else:
+            roll = self.backend.generate(prompts, self.cfg.rollout.group_size, seed=seed)
+        r, m = self.score(examples, roll)
         return idx, roll, r, m
 
     def score(
@@ -114,14 +121,22 @@ class Run:
         """Weighted sum of the reward functions; None from any of them marks the row unscorable."""
         G = len(roll.completion_ids) // len(examples)
         tok = self.policy.tokenizer
-        texts = tok.batch_decode(roll.completion_ids, skip_special_tokens=True)
+        if roll.episodes is not None:  # an episode's answer is in the model's last turn
+            texts = [ep.final_text for ep in roll.episodes]
+        else:
+            texts = tok.batch_decode(roll.completion_ids, skip_special_tokens=True)
+        extra, own = env_runtime.reward_inputs(
+            self.tools, len(texts)
+        )  # `environments`; their get_reward
         total, _ = rewards.combine_rewards(
             dict(self.reward_fns),
             self.reward_weights,
             texts,
             timeout_s=self.cfg.reward.timeout_s,
             **rewards.reward_columns(examples, G),
+            **extra,
         )
+        total = [t if o is None or t is None else t + o for t, o in zip(total, own)]
         rc = self.cfg.reward
         if rc.length_penalty > 0:
             pen = rewards.length_penalty(
@@ -224,7 +239,7 @@ class Run:
         policy.model.eval()
         for kind, kind_rows in (("old", old_rows), ("ref", ref_rows)):
             for c in self._chunks(kind_rows, prompts, roll):
-                b = policy.batch([prompts[i] for i in c], [roll.completion_ids[i] for i in c])
+                b = _batch(policy, prompts, roll, c)
                 with policy.ref_context() if kind == "ref" else contextlib.nullcontext():
                     logp = completion_logprobs(policy.model, b, temperature=temp)[0]  # [n, C]
                 for j, i in enumerate(c):
@@ -244,7 +259,7 @@ class Run:
         mini_tokens = self._loss_tokens(mini, roll) or 1
         self.optimizer.zero_grad(set_to_none=True)
         for c in self._chunks(mini, prompts, roll):
-            b = policy.batch([prompts[i] for i in c], [roll.completion_ids[i] for i in c])
+            b = _batch(policy, prompts, roll, c)  # tool tokens: 0 in its completion mask
             logp, entropy = completion_logprobs(
                 policy.model, b, with_entropy=True, temperature=cfg.rollout.temperature
             )  # [n, C]: the sampling distribution's
@@ -297,10 +312,10 @@ class Run:
         return norm
 
     def _loss_tokens(self, rows: list[int], roll: Rollout) -> int:
-        """Completion tokens of `rows` in the loss: all, less the truncated completions' with
-        `algo.mask_truncated_completions`."""
+        """Completion tokens of `rows` in the loss: the model's (tool results are not), less the
+        truncated completions' with `algo.mask_truncated_completions`."""
         drop = self.cfg.algo.mask_truncated_completions
-        return sum(len(roll.completion_ids[i]) for i in rows if roll.finished[i] or not drop)
+        return sum(roll.loss_tokens(i) for i in rows if roll.finished[i] or not drop)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, step: int, extra: dict | None = None) -> Path:
@@ -350,16 +365,22 @@ def load_policy(cfg: config.Config, log=print) -> Policy:
 
 
 def build_run(
-    cfg: config.Config, log: Callable[[str], None] = print, policy: Policy | None = None
+    cfg: config.Config,
+    log: Callable[[str], None] = print,
+    policy: Policy | None = None,
+    env_objects: tuple[Any, list] | None = None,
 ) -> Run:
     """Everything a run holds. The user's mistakes surface first, before any write or model load:
     the config against the machine and paths (`checks`), the reward functions, the data. Then it
     says what it does, one line each: the data, the memory plan, the model (the hub's download
     progress follows), the sampler, and the labels `data.labels_path=auto` makes.
     `policy`: one built elsewhere, used instead of loading `model.name` (scripts/gpu_smoke_stages.py
-    builds a random-weight Qwen3-8B in place: its folder holds a config but no weight files)."""
+    builds a random-weight Qwen3-8B in place: its folder holds a config but no weight files).
+    `env_objects`: (environment class or {name: class}, tool functions) from the Python API,
+    instead of `env.factory` / `env.tools`."""
     checks.before_load(cfg, log)
     fns, weights = reward_functions(cfg.reward, cfg.data)
+    tools = env_runtime.prepare(cfg, env_objects, log)  # tool use: probed before the model loads
     train_ex, eval_ex = data.load_train_eval(cfg.data)
     if not train_ex:
         raise UserError("data: no training examples; check data.max_examples and the data file")
@@ -384,6 +405,11 @@ def build_run(
     prompt_ids = data.encode_prompts(policy.tokenizer, train_ex, cfg.data)
     backend = make_backend(cfg, policy)
     log(startup.sampler_line(cfg.rollout, cfg.train))
+    episodes = None
+    if tools is not None:
+        log(tools.line())
+        prompt_ids, encode = env_runtime.prompts(cfg, tools, policy.tokenizer, train_ex, prompt_ids)
+        episodes = env_runtime.make_runner(cfg, tools, policy, backend, encode)
     labelled = labels.maybe_difficulty_labels(
         cfg, train_ex, prompt_ids, policy, backend, (fns, weights), log
     )
@@ -424,6 +450,8 @@ def build_run(
         optimizer,
         scheduler,
         LossScaler.for_policy(policy),
+        tools,
+        episodes,
     )
 
 
@@ -527,6 +555,15 @@ def micro_batches(
     return [order[s : s + size] for s in range(0, len(order), size)]
 
 
+def _batch(policy: Policy, prompts: list[list[int]], roll: Rollout, rows: list[int]):
+    """The policy's batch of `rows`; a multi-turn rollout's tool-result tokens are 0 in its
+    completion mask, so no loss, KL, ratio, entropy or token count sees them."""
+    masks = None if roll.tool_masks is None else [roll.tool_masks[i] for i in rows]
+    return policy.batch(
+        [prompts[i] for i in rows], [roll.completion_ids[i] for i in rows], token_masks=masks
+    )
+
+
 def _stack(rows: list[torch.Tensor], width: int) -> torch.Tensor:
     """Right-pad 1-D tensors of varying length to `[len(rows), width]`."""
     out = rows[0].new_zeros((len(rows), width))
@@ -547,28 +584,3 @@ def curriculum_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
     of None is no evidence of failure)."""
     ok = mask & torch.isfinite(rewards)  # a NaN / inf reward (a skipped step) is unscorable
     return torch.where(ok, rewards, torch.full_like(rewards, math.nan))  # [B, G]
-
-
-def _concat(a: Rollout, b: Rollout) -> Rollout:
-    slp = (
-        a.sampler_logprobs + b.sampler_logprobs
-        if a.sampler_logprobs is not None and b.sampler_logprobs is not None
-        else None
-    )
-    return Rollout(
-        a.prompt_ids + b.prompt_ids,
-        a.completion_ids + b.completion_ids,
-        slp,
-        a.finished + b.finished,
-    )
-
-
-def _select(roll: Rollout, groups: list[int], G: int) -> Rollout:
-    rows = [g * G + j for g in groups for j in range(G)]
-    slp = [roll.sampler_logprobs[i] for i in rows] if roll.sampler_logprobs is not None else None
-    return Rollout(
-        [roll.prompt_ids[g] for g in groups],
-        [roll.completion_ids[i] for i in rows],
-        slp,
-        [roll.finished[i] for i in rows],
-    )

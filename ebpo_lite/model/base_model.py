@@ -101,8 +101,9 @@ def resolve(cfg: Config, log: Callable[[str], None] = print) -> str:
     if m.name == "tiny":
         from ebpo_lite.model.tiny import warm_tiny_model
 
+        tools = {"tool_share": m.sft_tool_share} if m.sft_tool_share else {}  # the tool task
         warm = warm_tiny_model(
-            m.sft_warmup_steps, m.sft_seed, cfg.data.seed, log, progress=cfg.log.progress
+            m.sft_warmup_steps, m.sft_seed, cfg.data.seed, log, progress=cfg.log.progress, **tools
         )
         return str(warm)
     if is_gguf_name(m.name):

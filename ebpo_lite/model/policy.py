@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ebpo_lite.errors import UserError
+from ebpo_lite.model.extra_weights import add_extra_weights, unsaveable_extra
 from ebpo_lite.model.memory import logprob_chunk_rows
 
 if TYPE_CHECKING:
@@ -70,8 +71,12 @@ def make_batch(
     pad_id: int,
     device: torch.device | str = "cpu",
     share_prompts: bool = False,
+    token_masks: list[list[int]] | None = None,
 ) -> Batch:
     """Left-pad prompts to P, right-pad completions to C (layout in the module docstring).
+
+    `token_masks` (multi-turn rollouts): per completion, 1 on the tokens the model wrote, 0 on
+    tool results; the completion mask is 0 there too, so they are context and nothing more.
 
     `share_prompts`: when some prompt occurs more than once, record the distinct prompts
     (`prompt_rows`, `prompt_index`) so that `completion_logits` runs each of them once.
@@ -94,6 +99,9 @@ def make_batch(
     attn = torch.tensor(masks, dtype=torch.long).reshape(n, width_p + width_c)  # [N, P + C]
     pos = (attn.cumsum(-1) - 1).clamp(min=0)  # [N, P + C]
     cmask = attn[:, width_p:].float()  # [N, C]
+    if token_masks is not None:
+        tm = [list(m) + [0] * (width_c - len(m)) for m in token_masks]
+        cmask = cmask * torch.tensor(tm, dtype=torch.float).reshape(n, width_c)  # [N, C]
     batch = Batch(ids.to(device), attn.to(device), pos.to(device), cmask.to(device), width_p)
     if share_prompts:
         first: dict[tuple[int, ...], int] = {}  # prompt -> its distinct index
@@ -397,9 +405,16 @@ class Policy:
                 raise UserError(f"checkpoint: parameter {name} does not exist in this model")
             params[name].data.copy_(value.to(params[name].device, params[name].dtype))
 
-    def batch(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> Batch:
+    def batch(
+        self,
+        prompt_ids: list[list[int]],
+        completion_ids: list[list[int]],
+        token_masks: list[list[int]] | None = None,
+    ) -> Batch:
         pad = self.tokenizer.pad_token_id
-        return make_batch(prompt_ids, completion_ids, pad, self.device, self.share_prompts)
+        return make_batch(
+            prompt_ids, completion_ids, pad, self.device, self.share_prompts, token_masks
+        )
 
     def ref_context(self):
         """Context in which the model is the reference policy (adapter disabled)."""
@@ -472,50 +487,6 @@ class Policy:
             elif f.is_file() and f.suffix in (".json", ".txt", ".model", ".jinja"):
                 shutil.copy2(f, out / f.name)
         return out
-
-
-def unsaveable_extra(tensors: dict[str, torch.Tensor]) -> list[str]:
-    """The trained non-LoRA tensors (peft names) that peft's `modules_to_save` cannot hold: those
-    inside a LoRA-wrapped layer (`.base_layer.`), which only a merge can carry."""
-    return [n for n in tensors if "lora_" not in n and ".base_layer." in n]
-
-
-def add_extra_weights(adapter_dir: str | Path, tensors: dict[str, torch.Tensor]) -> list[str]:
-    """Add trained non-LoRA tensors to a peft adapter folder as `modules_to_save`; returns the
-    module names.
-
-    `tensors` maps peft parameter names (`base_model.model.<module>.<param>`, as in
-    `trainable_state`) to values; LoRA tensors among them are ignored. peft 0.21 loads a
-    `modules_to_save` entry by wrapping every module whose name ends with it in a
-    `ModulesToSaveWrapper` (a copy of the base module) and filling the copy from the adapter
-    file's `base_model.model.<module>.<param>` tensors, the names written here; parameters of
-    such a module that are absent keep the base's values. Full module names, so that
-    `model.layers.1.input_layernorm` never matches layer 11's.
-    """
-    import json
-
-    from safetensors.torch import load_file, save_file
-
-    extra = {n: v for n, v in tensors.items() if "lora_" not in n}
-    if not extra:
-        return []
-    if bad := unsaveable_extra(extra):
-        raise UserError(
-            f"model.trainable_extra: {bad[0]} is inside a LoRA layer; a peft adapter cannot "
-            "hold it (export a merged model instead)"
-        )
-    out = Path(adapter_dir)
-    weights = load_file(out / "adapter_model.safetensors")
-    weights.update({n: v.detach().cpu().contiguous() for n, v in extra.items()})
-    save_file(weights, out / "adapter_model.safetensors", metadata={"format": "pt"})
-    modules = sorted({n.removeprefix("base_model.model.").rsplit(".", 1)[0] for n in extra})
-    cfg_path = out / "adapter_config.json"
-    adapter_cfg = json.loads(cfg_path.read_text())
-    adapter_cfg["modules_to_save"] = sorted(
-        set(adapter_cfg.get("modules_to_save") or []) | set(modules)
-    )
-    cfg_path.write_text(json.dumps(adapter_cfg, indent=2, sort_keys=True) + "\n")
-    return modules
 
 
 def _hf_name(peft_name: str) -> str:

@@ -18,6 +18,7 @@ re-exports); this module holds the Protocol and `make_backend`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from ebpo_lite.model.base_model import stop_token_ids
@@ -39,12 +40,13 @@ class RolloutBackend(Protocol):
         group_size: int,
         seed: int,
         temperature: float | None = None,
-        max_new_tokens: int | None = None,
+        max_new_tokens: int | Sequence[int] | None = None,
     ) -> Rollout:
         """Sample `group_size` completions per prompt with the current policy.
 
         `temperature` / `max_new_tokens` override the rollout config (the eval uses them;
-        temperature 0 is greedy).
+        temperature 0 is greedy). `max_new_tokens` may be one budget per prompt (the multi-turn
+        loop's continuations, `ebpo_lite.engine.episodes`: each episode has its own left).
         """
         ...
 

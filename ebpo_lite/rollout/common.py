@@ -32,14 +32,65 @@ _warned_truncation = False
 
 @dataclass
 class Rollout:
+    """B prompts and their B * G completions, prompt-major (`ebpo_lite.rollout`).
+
+    Multi-turn episodes (`ebpo_lite.engine.episodes`) fill the optional rows: a completion is then the
+    whole episode after the prompt (model turns and tool results), `tool_masks` is 1 on the
+    tokens the model sampled and 0 on those the environment wrote, which the loss never sees;
+    `row_prompt_ids` holds each row's own prompt when `reset` gave episodes of one group
+    different prompts; `episodes` what each episode did (`engine.episodes.Episode`)."""
+
     prompt_ids: list[list[int]]  # B prompts, token ids
     completion_ids: list[list[int]]  # B*G completions (the stop id included when produced)
     sampler_logprobs: list[list[float]] | None  # B*G, log-prob of each sampled token
     finished: list[bool]  # B*G, True when the completion ended with a stop id
+    tool_masks: list[list[int]] | None = None  # B*G: 1 model token, 0 tool / environment token
+    row_prompt_ids: list[list[int]] | None = None  # B*G: each row's prompt, where they differ
+    episodes: list[Any] | None = None  # B*G: engine.episodes.Episode
 
     @property
     def group_size(self) -> int:
         return len(self.completion_ids) // max(len(self.prompt_ids), 1)
+
+    def row_prompts(self) -> list[list[int]]:
+        """Each row's prompt (B * G)."""
+        if self.row_prompt_ids is not None:
+            return self.row_prompt_ids
+        G = self.group_size
+        return [self.prompt_ids[i // G] for i in range(len(self.completion_ids))]
+
+    def loss_tokens(self, row: int) -> int:
+        """Tokens of row `row` the model wrote (all of a single-turn completion)."""
+        if self.tool_masks is None:
+            return len(self.completion_ids[row])
+        return sum(self.tool_masks[row])
+
+    def rows(self, groups: list[int]) -> Rollout:
+        """The rollout of the groups `groups` (prompt indices), in that order."""
+        G = self.group_size
+        rows = [g * G + j for g in groups for j in range(G)]
+        return Rollout(
+            [self.prompt_ids[g] for g in groups],
+            *(None if v is None else [v[i] for i in rows] for v in self._row_fields()),
+        )
+
+    def __add__(self, other: Rollout) -> Rollout:
+        """Both rollouts' groups (a dynamic-sampling redraw after the first draw)."""
+        fields = [
+            None if a is None or b is None else a + b
+            for a, b in zip(self._row_fields(), other._row_fields())
+        ]
+        return Rollout(self.prompt_ids + other.prompt_ids, *fields)
+
+    def _row_fields(self) -> list:
+        return [
+            self.completion_ids,
+            self.sampler_logprobs,
+            self.finished,
+            self.tool_masks,
+            self.row_prompt_ids,
+            self.episodes,
+        ]
 
 
 def cut_at_stop(ids: Sequence[int], stop_ids: Iterable[int]) -> tuple[list[int], bool]:
@@ -253,12 +304,26 @@ def patched_env(values: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def check_lengths(prompt_ids: list[list[int]], max_tokens: int, max_model_len: int) -> None:
-    """UserError when the longest prompt + the completion budget exceeds the engine's context."""
-    longest = max((len(p) for p in prompt_ids), default=0)
-    if longest + max_tokens > max_model_len:
+def budgets(max_new_tokens: int | Sequence[int] | None, n: int, default: int) -> list[int]:
+    """One completion budget per prompt: `max_new_tokens` (an int, one per prompt, or None for
+    `default`; the multi-turn loop gives each episode what it has left)."""
+    if max_new_tokens is None or isinstance(max_new_tokens, int):
+        return [max_new_tokens or default] * n
+    if len(max_new_tokens) != n:
+        raise ValueError(f"{len(max_new_tokens)} budgets for {n} prompts")
+    return [int(b) for b in max_new_tokens]
+
+
+def check_lengths(
+    prompt_ids: list[list[int]], max_tokens: int | Sequence[int], max_model_len: int
+) -> None:
+    """UserError when a prompt + its completion budget exceeds the engine's context."""
+    limits = budgets(max_tokens, len(prompt_ids), 0)
+    need = max((len(p) + b for p, b in zip(prompt_ids, limits)), default=0)
+    if need > max_model_len:
+        longest, i = max((len(p), i) for i, p in enumerate(prompt_ids))
         raise UserError(
-            f"rollout.max_model_len: a prompt of {longest} tokens + {max_tokens} new tokens does "
+            f"rollout.max_model_len: a prompt of {longest} tokens + {limits[i]} new tokens does "
             f"not fit the engine's {max_model_len}; raise rollout.max_model_len or lower "
             "data.max_prompt_tokens"
         )
@@ -271,7 +336,7 @@ def sampling_params(
     seed: int,
     num_prompts: int,
     temperature: float | None,
-    max_tokens: int,
+    max_tokens: int | Sequence[int],
     stop_ids: Sequence[int],
 ) -> list:
     """One vLLM `SamplingParams` per prompt: n=G, the rollout settings, a per-prompt seed
@@ -287,6 +352,7 @@ def sampling_params(
     own: an engine in its own process keeps its own, and a resumed run would not be exact.
     """
     temp = r.temperature if temperature is None else temperature
+    limits = budgets(max_tokens, num_prompts, r.max_new_tokens)  # a budget per prompt
     return [
         cls(
             n=group_size,
@@ -294,13 +360,13 @@ def sampling_params(
             top_p=r.top_p,
             top_k=r.top_k if r.top_k > 0 else -1,
             min_p=r.min_p,
-            max_tokens=max_tokens,
+            max_tokens=limit,
             logprobs=0,
             seed=s,
             detokenize=False,
             stop_token_ids=list(stop_ids) or None,
         )
-        for s in request_seeds(seed, num_prompts, group_size)
+        for s, limit in zip(request_seeds(seed, num_prompts, group_size), limits)
     ]
 
 

@@ -21,11 +21,12 @@ model, so there is no mismatch to measure or correct, and keeping every step's l
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from ebpo_lite.rollout.common import Rollout, cut_at_stop
+from ebpo_lite.rollout.common import Rollout, budgets, cut_at_stop
 
 if TYPE_CHECKING:
     from ebpo_lite.config import RolloutConfig
@@ -44,21 +45,26 @@ class HFRollout:
         group_size: int,
         seed: int,
         temperature: float | None = None,
-        max_new_tokens: int | None = None,
+        max_new_tokens: int | Sequence[int] | None = None,
     ) -> Rollout:
         out = Rollout(
             prompt_ids=list(prompt_ids), completion_ids=[], sampler_logprobs=None, finished=[]
         )
+        limits = budgets(max_new_tokens, len(prompt_ids), self.cfg.max_new_tokens)
         for s in range(0, len(prompt_ids), self.micro_batch):
             part = self._generate(
                 prompt_ids[s : s + self.micro_batch],
                 group_size,
                 seed + s,
                 temperature,
-                max_new_tokens,
+                max(limits[s : s + self.micro_batch]),
             )
-            out.completion_ids += part.completion_ids
-            out.finished += part.finished
+            for j, (ids, done) in enumerate(zip(part.completion_ids, part.finished)):
+                limit = limits[s + j // group_size]  # a budget per prompt: the longest is drawn,
+                if len(ids) > limit:  # each row keeps its own (the tokens before are the same)
+                    ids, done = ids[:limit], False
+                out.completion_ids.append(ids)
+                out.finished.append(done)
         return out
 
     @torch.no_grad()

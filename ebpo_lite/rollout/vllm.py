@@ -256,9 +256,10 @@ class VLLMRollout:
         group_size: int,
         seed: int,
         temperature: float | None = None,
-        max_new_tokens: int | None = None,
+        max_new_tokens: int | list[int] | None = None,
     ) -> Rollout:
-        """`group_size` completions per prompt, prompt-major, with sampled-token log-probs."""
+        """`group_size` completions per prompt, prompt-major, with sampled-token log-probs;
+        `max_new_tokens` one budget for all or one per prompt."""
         vllm = _import_vllm()
         max_tokens = max_new_tokens or self.cfg.rollout.max_new_tokens
         check_lengths(prompt_ids, max_tokens, self.max_model_len)
