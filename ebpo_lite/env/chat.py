@@ -17,7 +17,11 @@
   `tool_ids(results)`: TRL's `GRPOTrainer._get_tool_suffix_ids`: the template's rendering of a
   dummy conversation (user, then an assistant turn calling the first result's tool) with and
   without the tool messages (the longer one with the generation prompt), the shorter cut after
-  its last end-of-turn id; the difference is the answer, checked to extend that prefix.
+  its last end-of-turn id; the difference is the answer, checked to extend that prefix. Where it
+  does not (a template that is not prefix-preserving: Qwen3's renders an empty think block into
+  the LAST assistant turn only), the answer is what follows the call turn's end-of-turn id in
+  the full rendering. TRL instead swaps in its own prefix-preserving training template
+  (`get_training_chat_template`), whose answer tokens are the same (tests/test_env_trl.py).
 - `supports_tools(tokenizer)`: None when the template renders a whole tool conversation
   (user -> assistant with tool_calls -> tool, name, arguments and result all visible, as TRL's
   `supports_tool_calling` checks) in a form `ChatFormat` can read; else a one-line reason.
@@ -296,9 +300,9 @@ class ChatFormat:
         """The dummy conversation up to the end of the assistant's call turn (cut after its last
         end-of-turn id); it depends only on the tool's name (GPT-OSS writes it in the header)."""
         if name not in self._prefixes:
-            ids = _ids(self.tokenizer, self._dummy(name), **self.template_kwargs)
-            ends = [i for i, t in enumerate(ids) if t in self.stop_ids]
-            self._prefixes[name] = ids[: ends[-1] + 1] if ends else ids
+            self._prefixes[name] = self._cut(
+                _ids(self.tokenizer, self._dummy(name), **self.template_kwargs)
+            )
         return self._prefixes[name]
 
     @staticmethod
@@ -321,10 +325,22 @@ class ChatFormat:
             add_generation_prompt=True,
             **self.template_kwargs,
         )
-        if full[: len(prefix)] != prefix:
-            raise ValueError(
-                "the chat template's rendering with the tool messages does not extend the one "
-                "without them (cut after the last end-of-turn token): tool results cannot be "
-                "appended as tokens"
-            )
-        return full[len(prefix) :]
+        if full[: len(prefix)] == prefix:
+            return full[len(prefix) :]
+        # Not prefix-preserving: the call turn renders differently once an answer follows
+        # (Qwen3's writes an empty think block into the last assistant turn only). What follows
+        # that turn's end-of-turn id in the full rendering is the answer.
+        head = self._cut(_ids(self.tokenizer, self._dummy(name)[:1], **self.template_kwargs))
+        ends = [i for i in range(len(head), len(full)) if full[i] in self.stop_ids]
+        if full[: len(head)] == head and ends:
+            return full[ends[0] + 1 :]
+        raise ValueError(
+            "the chat template's rendering with the tool messages does not extend the one "
+            "without them (cut after the last end-of-turn token): tool results cannot be "
+            "appended as tokens"
+        )
+
+    def _cut(self, ids: list[int]) -> list[int]:
+        """`ids` up to its last end-of-turn id (all of it when there is none)."""
+        ends = [i for i, t in enumerate(ids) if t in self.stop_ids]
+        return ids[: ends[-1] + 1] if ends else ids
