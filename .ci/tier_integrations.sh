@@ -24,9 +24,11 @@ if [[ "${KEEP_VENV:-0}" != "1" || ! -x "$VENV/bin/python" ]]; then
   "$VENV/bin/pip" install -q --no-compile torch==2.13.0
   # verl 0.9.1 imports cachetools, uvicorn, fastapi without declaring them; ray, tensordict and
   # omegaconf are needed by verl.trainer.ppo.core_algos. transformers resolves to < 5.11 (verl's pin).
+  # jmespath: TRL's parse_response on transformers < 5.13 (the legacy response_schema parser),
+  # which tests/test_env_trl.py compares ebpo_lite's tool-call parsing with.
   "$VENV/bin/pip" install -q --no-compile "verl==0.9.1" "trl>=1.16,<1.17" "peft>=0.17" \
     "transformers>=5.5.3,<5.11,!=5.6.0" cachetools uvicorn fastapi ray tensordict omegaconf \
-    pytest hypothesis
+    jmespath pytest hypothesis
   "$VENV/bin/pip" install -q --no-compile -e . --no-deps
   # verl 0.9.1's wheel installs a top-level `tests` package into site-packages; a regular package
   # there wins over this repo's tests/ folder (no __init__.py) and breaks `from tests.conftest ...`.

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ebpo_lite.data.loader import encode_prompt, is_arithmetic
+from ebpo_lite.engine.episodes import episode_metrics
 from ebpo_lite.eval import (
     benchmark_examples,
     chunk_seed,
@@ -49,8 +50,7 @@ from ebpo_lite.rewards import (
 )
 
 if TYPE_CHECKING:
-    from ebpo_lite.engine.episodes import episode_metrics
-from ebpo_lite.engine.run import Run
+    from ebpo_lite.engine.run import Run
 
 BENCHMARK_CHUNK = 64  # problems per eval_examples call (fixes each chunk's sampling seed)
 

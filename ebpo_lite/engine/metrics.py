@@ -74,6 +74,9 @@ class Metrics:
             "S": record.get("adv/shrinkage"),
             "eval_acc": self.last_eval.get("eval/accuracy"),
             "eval_exp_acc": self.last_eval.get("eval/expected_accuracy"),
+            "turns": record.get("env/turns"),  # tool use (docs/tools.md)
+            "tool_calls": record.get("env/tool_calls"),
+            "tool_errors": record.get("env/tool_errors"),
         }
         shown = {k: f"{v:.3f}" for k, v in fields.items() if isinstance(v, (int, float))}
         if self.mode == "bar" and self.bar is None:

@@ -13,7 +13,9 @@ that shows, writes and warns nothing.
   the file would pass MAX_FILE_BYTES, no more rows are written (one line says so). Fields: `step`,
   `group`, `sample`, `example` (the training example's index), `prompt` (as the model saw it,
   special tokens kept), `answer`, `completion`, `reward` (None: masked, unscorable), `advantage`,
-  `truncated`, `completion_tokens`. Per-function rewards are not there: the run keeps only the
+  `truncated`, `completion_tokens` (the model's tokens); with tool use (docs/tools.md) the
+  completion is the conversation, tool results marked `<<tool NAME: RESULT>>`, and `messages`,
+  `turns`, `tool_calls`, `ended` (answer, max_turns, budget), `environment`. Per-function rewards are not there: the run keeps only the
   weighted total (`Run.score`). Each write is whole lines in one `write`, then a flush; a resumed
   run first drops the rows of steps after its checkpoint, and a line a crash cut short, as
   `metrics.jsonl` does, so the file tells one history.
@@ -305,7 +307,10 @@ def step_rows(
     groups = sorted({i // G for i in rows})
     prompts = tok.batch_decode([roll.prompt_ids[b] for b in groups], skip_special_tokens=False)
     prompt = dict(zip(groups, prompts))
-    texts = tok.batch_decode([roll.completion_ids[i] for i in rows], skip_special_tokens=True)
+    if roll.episodes is not None:  # tool use: the conversation, tool turns marked
+        texts = [conversation_text(roll.episodes[i]) for i in rows]
+    else:
+        texts = tok.batch_decode([roll.completion_ids[i] for i in rows], skip_special_tokens=True)
     rewards, mask, advs = (t.reshape(-1).tolist() for t in (sample.rewards, sample.mask, adv))
     out = []
     for i, text in zip(rows, texts):
@@ -322,10 +327,33 @@ def step_rows(
                 "reward": rewards[i] if mask[i] else None,
                 "advantage": advs[i],
                 "truncated": not roll.finished[i],
-                "completion_tokens": len(roll.completion_ids[i]),
+                "completion_tokens": roll.loss_tokens(i),  # the model's (not tool results)
+                **(episode_row(roll.episodes[i]) if roll.episodes is not None else {}),
             }
         )
     return out
+
+
+def conversation_text(episode: Any) -> str:
+    """An episode as one text: the model's turns as written, each tool result marked
+    `<<tool NAME: RESULT>>` (never the model's own words)."""
+    parts = [
+        m["content"] if m["role"] == "assistant" else f"<<tool {m['name']}: {m['content']}>>"
+        for m in episode.messages
+    ]
+    return " ".join(p for p in parts if p)
+
+
+def episode_row(episode: Any) -> dict[str, Any]:
+    """A tool-use row's extra fields: the conversation's messages, turns, tool calls, how it
+    ended (answer, max_turns, budget) and its environment."""
+    return {
+        "messages": [{**m, "content": cut_text(m["content"], ROW_CHARS)} for m in episode.messages],
+        "turns": episode.turns,
+        "tool_calls": episode.tool_calls,
+        "ended": episode.ended,
+        **({"environment": episode.env} if episode.env is not None else {}),
+    }
 
 
 def context(run: Run, sample: Sample) -> Context:

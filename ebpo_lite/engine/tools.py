@@ -69,6 +69,8 @@ def tool_format(cfg: Any, setup: contract.ToolSetup, tokenizer: Any):
     from ebpo_lite.env import chat
 
     problem = chat.supports_tools(tokenizer)
+    if problem is not None and "tool_calls" in problem:  # plain ChatML (SmolLM2's): the calls
+        problem = None  # are the model's own tokens, never re-rendered; read in Hermes form
     if problem is not None:
         raise ConfigError(f"env.format: {cfg.model.name}'s chat template {problem}")
     every = [s for name in setup.names for s in setup.schemas[name]]
@@ -95,9 +97,17 @@ def encoder(cfg: Any, tools: Tools, tokenizer: Any):
 
     schemas = {name: tools.setup.schemas[name] for name in tools.setup.names}
 
+    from ebpo_lite.data.prompts import DEFAULT_SYSTEM_PROMPT
+
+    d = cfg.data
+    system = DEFAULT_SYSTEM_PROMPT if d.system_prompt is None else d.system_prompt
+
     def encode_chat(example, text: str = "") -> list[int]:
         env = contract.environment_of(tools.setup, example.meta, repr(example.prompt[:40]))
-        return chat.prompt_ids(tokenizer, example, cfg.data, schemas[env], text)
+        user = {"role": "user", "content": example.prompt + text}
+        messages = ([{"role": "system", "content": system}] if system else []) + [user]
+        rendered = chat.prompt_text(tokenizer, messages, schemas[env], d.thinking)
+        return tokenizer.encode(rendered, add_special_tokens=False)
 
     return encode_chat
 
