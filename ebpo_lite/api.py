@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -174,8 +174,14 @@ def _differences(given: Mapping, default: Mapping, prefix: str = "") -> Iterator
 # ----------------------------------------------------------------------------- the commands
 
 
-def train_run(cfg: Config) -> TrainResult:
+def train_run(cfg: Config, environment: Any = None, tools: Sequence[Callable] = ()) -> TrainResult:
     """Train (or resume, with `train={"resume": True}`) as `ebpo-lite train` does.
+
+    Tool use (docs/tools.md): `environment` is a TRL-style environment class (or a dict of
+    them by the `environment` column) and `tools` plain tool functions, given as objects instead
+    of `env.factory` / `env.tools`. A class a fresh Python can import (`module:Class`) runs
+    contained; one defined in a notebook runs in this process (errors contained, a hang
+    abandoned, not killed).
 
     Prints what the command prints (start-up lines, progress, sample completions, the summary
     with its before -> after line) and writes the same run folder (`cfg.output_dir`:
@@ -189,7 +195,8 @@ def train_run(cfg: Config) -> TrainResult:
     with cli.quieted():
         from ebpo_lite.train import train
 
-        summary = train(cfg)
+        objects = (environment, list(tools)) if environment is not None or tools else None
+        summary = train(cfg, env_objects=objects)
     return TrainResult(Path(cfg.output_dir), summary)
 
 

@@ -222,7 +222,8 @@ class EpisodeRunner:
             ep.tool_errors += out.status == "error"
             ep.tool_timeouts += out.status == "timeout"
             ep.tool_unknown += out.status == "unknown"
-            results[k].append((name, self._cut(out.text, ep)))
+            cut = out.status == "ok"  # a result; an error message is the host's, and short
+            results[k].append((name, self._cut(out.text, ep) if cut else out.text))
         for k, (i, parsed) in enumerate(calls):
             if parsed.problem is not None:  # malformed: answered, never run
                 episodes[i].tool_calls += 1
