@@ -372,3 +372,64 @@ def test_turn_seeds_are_pure_and_distinct():
         ep_mod.group_seed(11, g) for g in range(6)
     }
     assert len(seeds) == 11 and ep_mod.turn_seed(11, 3) == ep_mod.turn_seed(11, 3)
+
+
+TWO_ENVS = '''
+class Adder:
+    def reset(self, **columns) -> None:
+        self.seen = sorted(columns)
+
+    def add(self, a: int, b: int) -> str:
+        """Add.
+
+        Args:
+            a: one
+            b: two
+        """
+        return str(a + b)
+
+
+class Echo:
+    def reset(self, **columns) -> str:
+        return "!"
+
+    def echo(self, text: str) -> str:
+        """Echo.
+
+        Args:
+            text: what to say
+        """
+        return text
+'''
+
+
+def test_a_dict_of_environments_picks_each_examples_by_its_environment_column(tmp_path):
+    from ebpo_lite.engine.labels import prior_keys
+
+    (tmp_path / "two_envs.py").write_text(TWO_ENVS)
+    factory = {"math": "two_envs:Adder", "talk": "two_envs:Echo"}
+    runner, host = _runner(tmp_path, [], factory=factory)
+    exs = [
+        Example(prompt="a=", answer="3", meta={"environment": "math"}),
+        Example(prompt="b=", answer="hi", meta={"environment": "talk"}),
+    ]
+    script = {"a=": ['[add({"a": 1, "b": 2})]', "3"], "b=": ["[echo(hi)]", "hi"]}
+    try:
+        roll = runner.run(Scripted(script), exs, [enc("a="), enc("b=")], 2, 1)
+        copies = host.instances([0, 1])
+    finally:
+        host.close()
+    assert [e.env for e in roll.episodes] == ["math", "math", "talk", "talk"]
+    assert [e.messages[1]["content"] for e in roll.episodes] == ["3", "3", "hi", "hi"]
+    assert copies[0].seen == ["answer", "prompt"]  # `environment` is not passed on (TRL's rule)
+    assert TOK.decode(roll.row_prompt_ids[2]) == "b=!"  # Echo's reset text; Adder's is None
+    m = episode_metrics(roll.episodes)
+    assert m["env/math/tool_calls"] == 1.0 and m["env/talk/turns"] == 2.0
+    assert prior_keys(exs, "environment") == ["math", "talk"]  # algo.prior_key=environment
+    with pytest.raises(config.ConfigError, match="environment='sports'"):
+        bad = [Example(prompt="a=", answer="3", meta={"environment": "sports"})]
+        runner2, host2 = _runner(tmp_path, [], factory=factory)
+        try:
+            runner2.run(Scripted(script), bad, [enc("a=")], 1, 1)
+        finally:
+            host2.close()
