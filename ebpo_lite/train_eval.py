@@ -32,6 +32,7 @@ import torch
 
 from ebpo_lite.data.loader import encode_prompt, is_arithmetic
 from ebpo_lite.engine.episodes import episode_metrics
+from ebpo_lite.engine.tools import reward_inputs
 from ebpo_lite.eval import (
     benchmark_examples,
     chunk_seed,
@@ -81,7 +82,7 @@ def evaluate_policy(run: Run) -> dict[str, Any]:
             shares = extraction_shares(judged.methods).items()
             out.update({f"eval/extraction/{m}": v for m, v in shares})
         else:  # called as in training: TRL's signature, every column by name
-            columns = reward_columns(examples)
+            columns = {**reward_columns(examples), **reward_inputs(run.tools, len(texts))[0]}
             scores = fn(completions=texts, timeout_s=cfg.reward.timeout_s, **columns)
         out.update(per_type_means("eval/accuracy", scores, examples))
         if len(run.reward_fns) > 1:  # the training reward: every function, weighted
@@ -117,6 +118,7 @@ def _total_reward(run: Run, scores: list, texts: list[str], examples: list) -> f
         texts,
         timeout_s=run.cfg.reward.timeout_s,
         **reward_columns(examples),
+        **reward_inputs(run.tools, len(texts))[0],  # tool use: `environments`
     )
     first = run.reward_fns[0][1]
     take_error_counts([f for _, f in run.reward_fns[1:] if f is not first])  # not a step's errors

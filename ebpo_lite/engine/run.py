@@ -140,7 +140,7 @@ class Run:
         rc = self.cfg.reward
         if rc.length_penalty > 0:
             pen = rewards.length_penalty(
-                [len(c) for c in roll.completion_ids],
+                [roll.loss_tokens(i) for i in range(len(roll.completion_ids))],  # the model's
                 self.cfg.rollout.max_new_tokens,
                 rc.length_penalty,
                 rc.length_penalty_start,

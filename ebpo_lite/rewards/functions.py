@@ -33,8 +33,9 @@ from ebpo_lite.rewards.extract import canonical_int, completion_text, count_boxe
 from ebpo_lite.rewards.judge import golds_for, judge_math
 
 RewardFn = Callable[..., list]
-# what every call passes besides the data's columns (`run.Run.score`, `train_eval`)
-CALL_KEYWORDS = ("completions", "prompts", "answer", "timeout_s")
+# what every call passes besides the data's columns (`run.Run.score`, `train_eval`);
+# `environments` (TRL's): each episode's environment instance, with tool use (docs/tools.md)
+CALL_KEYWORDS = ("completions", "prompts", "answer", "timeout_s", "environments")
 _PLAIN_INT = re.compile(r"[+-]?\d+")
 
 
