@@ -159,7 +159,7 @@ def test_state_kept_across_calls_and_episodes_independent(host):
 def test_hang_times_out_and_replay_rebuilds_every_episode(host, envs):
     host.start([None, None], [{"start": 1}, {"start": 10}], [0, 1])
     host.call([(0, "add", {"k": 2}), (1, "add", {"k": 5}), (1, "draw", {})])
-    old_pid = host._proc.pid
+    old_pid = host._worker.proc.pid
     t0 = time.monotonic()
     (hung,) = host.call([(0, "hang", {})])
     took = time.monotonic() - t0

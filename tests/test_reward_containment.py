@@ -191,7 +191,7 @@ def test_bad_results_mask_what_they_must(user_mod, capsys):
 def test_hang_is_cut_at_timeout_and_costs_one_batch(user_mod, capsys):
     fn = get_reward_fn(f"{MOD}:picky")
     assert fn(["warm"]) == [4.0]  # worker started outside the timed part
-    old = fn._proc.pid
+    old = fn._worker.proc.pid
     t0 = time.monotonic()
     assert fn(["hang", "a", "b"], timeout_s=1.0) == [None, None, None]
     took = time.monotonic() - t0
@@ -205,7 +205,7 @@ def test_hang_is_cut_at_timeout_and_costs_one_batch(user_mod, capsys):
     t0 = time.monotonic()
     assert fn(["abc", "de"], timeout_s=1.0) == [3.0, 2.0]  # a fresh worker, the next batch
     print(f"fresh worker + call: {time.monotonic() - t0:.3f} s", file=sys.__stderr__)
-    assert fn._proc.pid != old
+    assert fn._worker.proc.pid != old
     assert take_error_counts([fn]) == {"reward/errors": 3, "reward/timeouts": 3}
     assert fn.counts["restarts"] == 1
     err = capsys.readouterr().err
@@ -232,7 +232,7 @@ def test_crash_masks_and_restarts(user_mod, capsys):
     assert fn.counts["restarts"] == 1 and take_error_counts([fn])["reward/errors"] == 2
     assert "crashed its worker process" in capsys.readouterr().err
     fn.close()
-    assert fn._proc is None
+    assert fn._worker.proc is None
     assert fn(["ab"]) == [2.0]  # closed: the next call starts a fresh worker
 
 

@@ -45,22 +45,19 @@ from __future__ import annotations
 import atexit
 import copy
 import importlib.util
-import os
 import pickle
-import signal
-import subprocess
 import sys
 import threading
 import time
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 from ebpo_lite.env import _tool_worker as runtime
 from ebpo_lite.errors import UserError
+from ebpo_lite.rewards.worker import Worker
 
 STARTUP_TIMEOUT_S = 120.0  # the worker must import the user's modules (and probe) within this
 _WORKER = Path(runtime.__file__)
@@ -141,8 +138,7 @@ class ToolHost:
         self._description: dict | None = None
         self._warned: set[str] = set()
         self._lock = threading.RLock()
-        self._proc: subprocess.Popen | None = None
-        self._pid = os.getpid()
+        self._worker = Worker(_WORKER)
         _LIVE.add(self)
 
     def __repr__(self) -> str:
@@ -247,9 +243,7 @@ class ToolHost:
     def close(self) -> None:
         """Stop the worker (a later request starts a fresh one, without the episodes)."""
         with self._lock:
-            if self._pid == os.getpid():
-                self._stop(kill=False)
-            self._proc = None
+            self._worker.close()
             self._episodes = []
 
     # ------------------------------------------------------------------ failures
@@ -330,18 +324,19 @@ class ToolHost:
         """(status, payload) of one request; status "timeout" or "crash" (payload: what
         happened) when the worker is gone, killed."""
         self._ensure()
+        w = self._worker
         try:
-            self._requests.send(request)
+            w.requests.send(request)
         except OSError:
             return self._crashed()
         except Exception as e:  # the arguments do not pickle
             msg = runtime.error_text(f"its arguments cannot be sent to the tool process: {e!r}")
             return "error", (msg, False) if request[0] == "call" else msg
-        if not self._replies.poll(self.timeout_s):
-            self._stop(kill=True)
+        if not w.replies.poll(self.timeout_s):
+            w.stop(kill=True)
             return "timeout", None
         try:
-            return self._replies.recv()
+            return w.replies.recv()
         except (EOFError, OSError):
             return self._crashed()
         except Exception as e:  # the reply does not unpickle here
@@ -349,74 +344,33 @@ class ToolHost:
             return "error", (msg, False) if request[0] == "call" else msg
 
     def _crashed(self) -> tuple[str, str]:
-        code = self._proc.poll() if self._proc is not None else None
-        self._stop(kill=True)
+        code = self._worker.exit_status()
+        self._worker.stop(kill=True)
         return "crash", f"exit status {code}"
 
     def _ensure(self) -> None:
-        if self._proc is not None and self._pid != os.getpid():  # we are a forked child
-            self._proc = None
-        if self._proc is not None and self._proc.poll() is not None:
-            self._stop(kill=True)
-        if self._proc is None:
+        if not self._worker.running():
             self._start()
 
     def _start(self) -> None:
-        r_req, w_req = os.pipe()  # trainer -> worker
-        r_rep, w_rep = os.pipe()  # worker -> trainer
-        self._proc = subprocess.Popen(
-            [sys.executable, str(_WORKER)],
-            stdin=r_req,
-            stdout=w_rep,
-            close_fds=True,
-            start_new_session=True,  # its own process group: killed whole on a timeout
-        )
-        os.close(r_req)
-        os.close(w_rep)
-        self._pid = os.getpid()
-        self._requests = Connection(w_req, readable=False)
-        self._replies = Connection(r_rep, writable=False)
         hello = {
             "sys_path": self.sys_path,
             "factories": self.factories,
             "tools": self.tools,
             "probe": self._description is None,
         }
-        reply: tuple[str, Any] = ("load_error", "the tool process exited while starting")
-        try:
-            self._requests.send(hello)
-            if self._replies.poll(STARTUP_TIMEOUT_S):
-                reply = self._replies.recv()
-            else:
-                reply = ("load_error", f"the tool process did not start in {STARTUP_TIMEOUT_S:g} s")
-        except (EOFError, OSError):
-            pass
+        reply = self._worker.start(hello, STARTUP_TIMEOUT_S, failed="start_error")
         if reply[0] != "ready":
-            self._stop(kill=True)
-            raise UserError(str(reply[1]))
+            self._worker.stop(kill=True)
+            why = str(reply[1])  # the worker's one line, or why it never answered
+            raise UserError(
+                f"the tool process did not start: {why}" if reply[0] == "start_error" else why
+            )
         if self._description is None:
             self._description = reply[1]
 
     def _stop(self, kill: bool) -> None:
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        for conn in (self._requests, self._replies):
-            try:
-                conn.close()  # EOF: an idle worker exits by itself
-            except OSError:
-                pass
-        if not kill:
-            try:
-                proc.wait(timeout=2.0)
-            except subprocess.TimeoutExpired:
-                pass
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the worker and whatever it started
-            except (ProcessLookupError, PermissionError):
-                proc.kill()
-            proc.wait()
+        self._worker.stop(kill)
 
 
 class LocalToolHost(ToolHost):

@@ -38,20 +38,17 @@ from __future__ import annotations
 
 import atexit
 import numbers
-import os
-import signal
-import subprocess
 import sys
 import threading
 import weakref
 from collections.abc import Iterable, Sequence
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ebpo_lite.errors import UserError
+from ebpo_lite.rewards.worker import Worker
 
 DEFAULT_TIMEOUT_S = 5.0  # as math_answer's default (the config's reward.timeout_s)
 STARTUP_TIMEOUT_S = 120.0  # the worker must import the user's module within this
@@ -116,8 +113,7 @@ class ContainedReward:
         self._untaken = {"errors": 0, "timeouts": 0}
         self._reported: set[str] = set()
         self._lock = threading.Lock()
-        self._proc: subprocess.Popen | None = None
-        self._pid = os.getpid()
+        self._worker = Worker(_WORKER)
         _LIVE.add(self)
 
     def __repr__(self) -> str:
@@ -142,67 +138,40 @@ class ContainedReward:
     # ------------------------------------------------------------------ the worker
     def _call(self, args: tuple, kwargs: dict, timeout_s: float) -> tuple[str, Any]:
         """("ok", raw result) or (failure kind, description / traceback)."""
-        self._ensure_worker()
+        if not self._worker.running():
+            self._start()
+        w = self._worker
         try:
-            self._requests.send((args, kwargs))
+            w.requests.send((args, kwargs))
         except OSError:
             return self._crashed()
         except Exception as e:  # the arguments do not pickle: the caller's doing, still contained
             return "error", f"its arguments cannot be sent to the worker: {e!r}"
-        if not self._replies.poll(timeout_s):
-            self._stop(kill=True)
+        if not w.replies.poll(timeout_s):
+            w.stop(kill=True)
             self.counts["restarts"] += 1
             return "timeout", (
                 f"no result within timeout_s = {timeout_s:g} s for the whole batch; its worker "
                 "was killed (a fresh one starts on the next call)"
             )
         try:
-            return self._replies.recv()
+            return w.replies.recv()
         except (EOFError, OSError):
             return self._crashed()
         except Exception as e:  # the reply does not unpickle in the trainer
             return "error", f"its result cannot be read back: {e!r}"
 
     def _crashed(self) -> tuple[str, str]:
-        code = self._proc.poll() if self._proc is not None else None
-        self._stop(kill=True)
+        code = self._worker.exit_status()
+        self._worker.stop(kill=True)
         self.counts["restarts"] += 1
         return "crash", f"its worker process died (exit status {code}); a fresh one starts next"
 
-    def _ensure_worker(self) -> None:
-        if self._proc is not None and self._pid != os.getpid():  # we are a forked child
-            self._proc = None  # the parent's worker is the parent's to stop
-        if self._proc is not None and self._proc.poll() is not None:
-            self._stop(kill=True)  # died while idle (e.g. its starting thread ended): replace
-        if self._proc is None:
-            self._start()
-
     def _start(self) -> None:
-        r_req, w_req = os.pipe()  # trainer -> worker
-        r_rep, w_rep = os.pipe()  # worker -> trainer
-        self._proc = subprocess.Popen(
-            [sys.executable, str(_WORKER)],
-            stdin=r_req,
-            stdout=w_rep,
-            close_fds=True,
-            start_new_session=True,  # its own process group: killed whole on a timeout
-        )
-        os.close(r_req)
-        os.close(w_rep)
-        self._pid = os.getpid()
-        self._requests = Connection(w_req, readable=False)
-        self._replies = Connection(r_rep, writable=False)
-        reply: tuple[str, Any] = ("import_error", "no reply (the worker exited)")
-        try:
-            self._requests.send({"target": self.target, "sys_path": list(sys.path)})
-            if self._replies.poll(STARTUP_TIMEOUT_S):
-                reply = self._replies.recv()
-            else:
-                reply = ("import_error", f"no reply within {STARTUP_TIMEOUT_S:g} s")
-        except (EOFError, OSError):
-            pass
+        hello = {"target": self.target, "sys_path": list(sys.path)}
+        reply = self._worker.start(hello, STARTUP_TIMEOUT_S, failed="import_error")
         if reply[0] != "ready":
-            self._stop(kill=True)
+            self._worker.stop(kill=True)
             tb = str(reply[1]).rstrip()
             print(tb, file=sys.stderr, flush=True)
             raise UserError(
@@ -210,33 +179,10 @@ class ContainedReward:
                 f"process (a fresh Python with the trainer's sys.path): {tb.splitlines()[-1]}"
             )
 
-    def _stop(self, kill: bool) -> None:
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        for conn in (self._requests, self._replies):
-            try:
-                conn.close()  # EOF: an idle worker exits by itself
-            except OSError:
-                pass
-        if not kill:
-            try:
-                proc.wait(timeout=2.0)
-            except subprocess.TimeoutExpired:
-                pass
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the worker and whatever it started
-            except (ProcessLookupError, PermissionError):
-                proc.kill()
-            proc.wait()
-
     def close(self) -> None:
         """Stop the worker (a later call starts a fresh one)."""
         with self._lock:
-            if self._pid == os.getpid():
-                self._stop(kill=False)
-            self._proc = None
+            self._worker.close()
 
     # ------------------------------------------------------------------ counting and logging
     def _record(self, kind: str, masked: int, n: int, problem: str) -> None:
