@@ -152,7 +152,7 @@ def test_short_tool_warmup_learns_the_format():
 
     def loss_now() -> float:
         """Masked CE of a fixed batch of tool trajectories."""
-        from ebpo_lite.model.tiny_tools import pack_masked
+        from ebpo_lite.model.tiny import pack_masked
 
         rows = []
         for ex in train[:32]:

@@ -227,11 +227,16 @@ def supervised_warmup(
     lr: float = 3e-3,
     slip: float = 0.0,
     on_step: Callable[[int], None] | None = None,
+    trajectories: list[tuple[list[int], list[int]]] | None = None,
+    tool_share: float = 0.0,
 ) -> float:
     """Teacher-forced cross-entropy on the answer tokens (+ EOS); returns last token accuracy.
 
     With `slip > 0`, each time a problem is drawn its target is `meta["slip"]` (the answer with
     the carries dropped) with probability `slip`, so the model learns that slip as a habit.
+    With `tool_share > 0`, a draw is instead, with that probability, the example's entry of
+    `trajectories` ((ids after the prompt, loss mask): `tiny_tools.supervised_tool_warmup`);
+    with 0 no coin is drawn, so the stream of draws is the plain warm-up's.
     `on_step(n)` is called after the n-th step (progress display).
     """
     gen = torch.Generator().manual_seed(seed)
@@ -251,9 +256,15 @@ def supervised_warmup(
     for n in range(1, steps + 1):
         idx = torch.randint(len(examples), (batch,), generator=gen).tolist()
         slipped = (torch.rand(batch, generator=gen) < slip).tolist()
-        prompts = [all_prompts[i] for i in idx]
-        answers = [all_slips[i] if s else all_answers[i] for i, s in zip(idx, slipped)]
-        ids, labels, attn = _pack(prompts, answers, tokenizer.pad_token_id)
+        tooled = (torch.rand(batch, generator=gen) < tool_share).tolist() if tool_share > 0 else []
+        rows = []
+        for k, (i, s) in enumerate(zip(idx, slipped)):
+            if tooled and tooled[k]:
+                rows.append((all_prompts[i], *trajectories[i]))
+            else:
+                target = all_slips[i] if s else all_answers[i]
+                rows.append((all_prompts[i], target, [1] * len(target)))
+        ids, labels, attn = pack_masked(rows, tokenizer.pad_token_id)
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]  # [N, T-1, V]
         target = labels[:, 1:]  # [N, T-1]
         loss = torch.nn.functional.cross_entropy(
@@ -296,16 +307,16 @@ def warmup_progress(steps: int, mode: str, log) -> Iterator[Callable[[int], None
     yield line
 
 
-def _pack(prompts: list[list[int]], answers: list[list[int]], pad_id: int):
-    """Right-pad prompt+answer rows; labels are -100 outside the answer."""
-    rows = [p + a for p, a in zip(prompts, answers)]
-    width = max(len(r) for r in rows)
+def pack_masked(rows: list[tuple[list[int], list[int], list[int]]], pad_id: int):
+    """Right-pad (prompt, completion, mask) rows: ids [N, T], labels [N, T] (-100 on the
+    prompt, the padding and where the mask is 0), attention [N, T]."""
+    width = max(len(p) + len(c) for p, c, _ in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), width), -100, dtype=torch.long)
     attn = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (p, a) in enumerate(zip(prompts, answers)):
-        n = len(p) + len(a)
-        ids[i, :n] = torch.tensor(p + a)
-        labels[i, len(p) : n] = torch.tensor(a)
+    for i, (p, c, m) in enumerate(rows):
+        n = len(p) + len(c)
+        ids[i, :n] = torch.tensor(p + c)
+        labels[i, len(p) : n] = torch.tensor([t if k else -100 for t, k in zip(c, m)])
         attn[i, :n] = 1
     return ids, labels, attn

@@ -28,6 +28,7 @@ import torch
 
 from ebpo_lite.env.calculator import calculator
 from ebpo_lite.env.formats import TinyFormat
+from ebpo_lite.model.tiny import supervised_warmup
 
 TOOL_WARMUP_VERSION = 1  # part of a tool warm-up's cache key: bump when this recipe changes
 TOOL = "calculator"
@@ -80,68 +81,10 @@ def supervised_tool_warmup(
     for it, so the run is `supervised_warmup`'s step for step."""
     if not 0.0 <= tool_share <= 1.0:
         raise ValueError(f"tool_share must be in [0, 1], got {tool_share}")
-    gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 1 - s / max(steps, 1))
+    tools = [tool_trajectory(tokenizer, ex) for ex in examples] if tool_share > 0 else None
+    return supervised_warmup(
+        model, tokenizer, examples, steps, seed, batch, lr, slip, on_step, tools, tool_share
     )
-    eos = tokenizer.eos_token_id
-    prompts = [tokenizer.encode(ex.prompt, add_special_tokens=False) for ex in examples]
-    answers = [tokenizer.encode(ex.answer, add_special_tokens=False) + [eos] for ex in examples]
-    slips = [
-        tokenizer.encode(ex.meta.get("slip", ex.answer), add_special_tokens=False) + [eos]
-        for ex in examples
-    ]
-    tools = [tool_trajectory(tokenizer, ex) for ex in examples] if tool_share > 0 else []
-    model.train()
-    acc = 0.0
-    for n in range(1, steps + 1):
-        idx = torch.randint(len(examples), (batch,), generator=gen).tolist()
-        slipped = (torch.rand(batch, generator=gen) < slip).tolist()
-        if tool_share > 0:
-            tooled = (torch.rand(batch, generator=gen) < tool_share).tolist()
-        else:
-            tooled = [False] * batch
-        rows = []
-        for i, s, t in zip(idx, slipped, tooled):
-            if t:
-                rows.append((prompts[i], *tools[i]))
-            else:
-                target = slips[i] if s else answers[i]
-                rows.append((prompts[i], target, [1] * len(target)))
-        ids, labels, attn = pack_masked(rows, tokenizer.pad_token_id)
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]  # [N, T-1, V]
-        target = labels[:, 1:]  # [N, T-1]
-        loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100
-        )
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        with torch.no_grad():
-            mask = target != -100
-            acc = (logits.argmax(-1)[mask] == target[mask]).float().mean().item()
-        if on_step is not None:
-            on_step(n)
-    model.eval()
-    return acc
-
-
-def pack_masked(rows: list[tuple[list[int], list[int], list[int]]], pad_id: int):
-    """Right-pad (prompt, completion, mask) rows: ids [N, T], labels [N, T] (-100 on the
-    prompt, the padding and where the mask is 0), attention [N, T]."""
-    width = max(len(p) + len(c) for p, c, _ in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(rows), width), -100, dtype=torch.long)
-    attn = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (p, c, m) in enumerate(rows):
-        n = len(p) + len(c)
-        ids[i, :n] = torch.tensor(p + c)
-        labels[i, len(p) : n] = torch.tensor([t if k else -100 for t, k in zip(c, m)])
-        attn[i, :n] = 1
-    return ids, labels, attn
 
 
 @torch.no_grad()
