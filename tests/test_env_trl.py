@@ -25,12 +25,12 @@ pytestmark = pytest.mark.trl
 trl = pytest.importorskip("trl")
 
 from tokenizers import AddedToken, Regex, pre_tokenizers  # noqa: E402
-from transformers.utils import get_json_schema  # noqa: E402
 
 from ebpo_lite.env import chat  # noqa: E402
 from ebpo_lite.env.chat import ChatFormat  # noqa: E402
 from ebpo_lite.env.formats import ToolCall  # noqa: E402
 from ebpo_lite.model.tiny import build_tokenizer  # noqa: E402
+from tests.test_env_chat import TOOLS  # noqa: E402 (the same two tools, add and weather)
 
 TEMPLATES = Path(trl.__file__).parent / "chat_templates"
 CHATML = ("<|im_start|>", "<|im_end|>")
@@ -44,26 +44,6 @@ LLAMA = (
 )
 
 
-def add(a: int, b: int) -> int:
-    """Add two numbers.
-
-    Args:
-        a: the first
-        b: the second
-    """
-    return a + b
-
-
-def weather(city: str) -> str:
-    """The weather in a city.
-
-    Args:
-        city: its name
-    """
-    return "sunny"
-
-
-TOOLS = [get_json_schema(add), get_json_schema(weather)]
 CALLS = [ToolCall("add", {"a": 35, "b": 8}), ToolCall("weather", {"city": "Paris"})]
 
 
