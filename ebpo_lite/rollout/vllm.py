@@ -193,6 +193,7 @@ class VLLMRollout:
             # log-probs after temperature (and truncation): what the trainer scores at
             # rollout.temperature, instead of the temperature-1 default (module docstring)
             logprobs_mode="processed_logprobs",
+            enable_prefix_caching=True,  # tool turns re-send the whole history (docs/tools.md)
             trust_remote_code=cfg.model.trust_remote_code,
         )
         from ebpo_lite.model.plan_vllm import vllm_batch_limits
@@ -210,6 +211,12 @@ class VLLMRollout:
                 kwargs["quantization"] = "bitsandbytes"  # vLLM quantises its own copy
         else:
             kwargs["kv_cache_memory_bytes"] = int(r.kv_cache_gb * 2**30)
+            # no prompt split over scheduler steps: vLLM 0.32 rewinds a seeded request's
+            # generator after a partial prefill (gpu_model_runner.py `_bookkeeping_sync`,
+            # `gen.set_offset(gen.get_offset() - 4)`), which a CPU generator refuses ("CPU
+            # Generator does not use offset"). A call over max_num_batched_tokens (tool turns'
+            # long continuations) then waits for the next step instead of crashing
+            kwargs["enable_chunked_prefill"] = False
             why_not = cpu_nf4_blocker(dtype, policy.trains_base) if cfg.model.load_in_4bit else ""
             if why_not is None:
                 kwargs["quantization"] = "bitsandbytes"  # the plugin's NF4 copy, on CPU too
