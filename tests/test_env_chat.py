@@ -248,14 +248,17 @@ def test_templates_that_cannot_hold_a_tool_conversation_say_why():
     assert "no chat template" in chat.supports_tools(build_tokenizer())
     plain = "{%- for m in messages %}{{- m.role + ': ' + m.content + '\\n' }}{%- endfor %}"
     assert "tool_calls" in chat.supports_tools(chatml_tokenizer(plain))
+    # the trainer's question (never re-rendered): a template without tool_calls is enough, but
+    # one that drops tool messages, or cannot render them, still is not
+    assert chat.supports_tools(chatml_tokenizer(plain), renders_calls=False) is None
     strict = plain.replace(
         "{{- m.role",
         "{%- if m.role == 'tool' %}{{- raise_exception('no tool role') }}{%- endif %}{{- m.role",
     )
-    reason = chat.supports_tools(chatml_tokenizer(strict))
+    reason = chat.supports_tools(chatml_tokenizer(strict), renders_calls=False)
     assert "cannot render" in reason and "no tool role" in reason and "\n" not in reason
     drops_results = CHATML_TOOLS.replace("'\\n<tool_response>\\n' + m.content + ", "")
-    assert "tool messages" in chat.supports_tools(chatml_tokenizer(drops_results))
+    assert "tool messages" in chat.supports_tools(chatml_tokenizer(drops_results), False)
     xml = CHATML_TOOLS.replace('\'<tool_call>\\n{"name": "\' + f.name', "'<fn=' + f.name")
     reason = chat.supports_tools(chatml_tokenizer(xml))
     assert "cannot read" in reason
@@ -334,6 +337,7 @@ def test_smollm2_template_ignores_tools_and_drops_tool_calls_but_shows_results(s
     # conversation; ChatFormat still works (the loop never re-renders the history).
     reason = chat.supports_tools(smol)
     assert reason and "drops the assistant's tool_calls" in reason
+    assert chat.supports_tools(smol, renders_calls=False) is None  # what the trainer asks
     assert not chat.renders_tools(smol) and chat.call_style(smol) == "hermes"
     text = chat.prompt_text(smol, [{"role": "user", "content": "35+8?"}], TOOLS)
     assert text.startswith("<|im_start|>system\n# Tools\n") and json.dumps(TOOLS[1]) in text

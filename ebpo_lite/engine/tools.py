@@ -51,27 +51,27 @@ def prepare(cfg: Any, objects: tuple[Any, list] | None = None, log=print) -> Too
         return None
     from ebpo_lite.env.host import make_host
 
-    factories = {name: cls for name, cls in setup.factories.items()}
-    host = make_host(factories, list(setup.tools), cfg.env.tool_timeout_s)
+    host = make_host(dict(setup.factories), list(setup.tools), cfg.env.tool_timeout_s)
     host.describe()  # constructs each class once, in the host: a failing __init__ is one line
     return Tools(setup, host)
 
 
+def tiny_format(cfg: Any) -> bool:
+    """Whether calls are written in the tiny model's tags: `env.format`, where auto means the
+    tiny model's tags for the tiny model and the chat template for every other."""
+    return cfg.env.format == "tiny" or (cfg.env.format == "auto" and cfg.model.name == "tiny")
+
+
 def tool_format(cfg: Any, setup: contract.ToolSetup, tokenizer: Any):
     """`env.format` (auto: the tiny model's tags for the tiny model, else the chat template)."""
-    kind = cfg.env.format
-    if kind == "auto":
-        kind = "tiny" if cfg.model.name == "tiny" else "chat"
-    if kind == "tiny":
+    if tiny_format(cfg):
         from ebpo_lite.env.formats import TinyFormat
 
         return TinyFormat(tokenizer, setup.first_params)
     from ebpo_lite.env import chat
 
-    problem = chat.supports_tools(tokenizer)
-    if problem is not None and "tool_calls" in problem:  # plain ChatML (SmolLM2's): the calls
-        problem = None  # are the model's own tokens, never re-rendered; read in Hermes form
-    if problem is not None:
+    problem = chat.supports_tools(tokenizer, renders_calls=False)  # the history is never
+    if problem is not None:  # re-rendered: plain ChatML (SmolLM2's) is read in Hermes form
         raise ConfigError(f"env.format: {cfg.model.name}'s chat template {problem}")
     every = [s for name in setup.names for s in setup.schemas[name]]
     return chat.ChatFormat(tokenizer, every)
@@ -85,8 +85,7 @@ def encoder(cfg: Any, tools: Tools, tokenizer: Any):
 
     from ebpo_lite.data.loader import encode_prompt
 
-    fmt = cfg.env.format
-    if fmt == "tiny" or (fmt == "auto" and cfg.model.name == "tiny"):
+    if tiny_format(cfg):
 
         def encode(example, text: str = "") -> list[int]:
             ex = dataclasses.replace(example, prompt=example.prompt + text) if text else example
@@ -115,8 +114,7 @@ def encoder(cfg: Any, tools: Tools, tokenizer: Any):
 def prompts(cfg: Any, tools: Tools, tokenizer: Any, examples: list, prompt_ids: list[list[int]]):
     """(the training prompts' ids, `encoder`): re-encoded with the tools for a chat model."""
     encode = encoder(cfg, tools, tokenizer)
-    fmt = cfg.env.format
-    if fmt == "tiny" or (fmt == "auto" and cfg.model.name == "tiny"):
+    if tiny_format(cfg):
         return prompt_ids, encode
     return [encode(ex) for ex in examples], encode
 

@@ -118,9 +118,11 @@ def call_style(tokenizer) -> str | None:
     return "hermes" if _NAME not in rendered else None
 
 
-def supports_tools(tokenizer) -> str | None:
+def supports_tools(tokenizer, renders_calls: bool = True) -> str | None:
     """None when the chat template renders a whole tool conversation that `ChatFormat` can read;
-    else a one-line reason (the caller words it as a ConfigError)."""
+    else a one-line reason (the caller words it as a ConfigError). `renders_calls=False`: a
+    template that drops the assistant's tool_calls is enough (plain ChatML, SmolLM2's): the
+    trainer never re-renders the history, so the model's own call tokens stand."""
     if not getattr(tokenizer, "chat_template", None):
         return "the tokenizer has no chat template"
     try:
@@ -128,7 +130,8 @@ def supports_tools(tokenizer) -> str | None:
     except Exception as e:  # jinja's TemplateError, or a template's own raise_exception
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         return f"its chat template cannot render a tool conversation ({first})"
-    if _NAME not in rendered or _KEY not in rendered or _VALUE not in rendered:
+    dropped = _NAME not in rendered or _KEY not in rendered or _VALUE not in rendered
+    if dropped and renders_calls:
         return "its chat template drops the assistant's tool_calls (they are never rendered)"
     if _RESULT not in rendered:
         return "its chat template drops tool messages (the result is never rendered)"
