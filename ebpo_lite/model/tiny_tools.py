@@ -3,7 +3,7 @@
 The multi-turn recipe (recipes/tiny_tools_cpu.yaml) asks RL to learn WHEN to call the
 calculator. For that the warmed model must already know HOW (the tag format of
 `env.formats.TinyFormat`) and call it sometimes, but not know when it pays. So the warm-up of
-`tiny.supervised_warmup` (the same teacher-forced cross-entropy, optimizer, schedule and carry
+`warmup.supervised_warmup` (the same teacher-forced cross-entropy, optimizer, schedule and carry
 slip) gets one more coin: with probability `tool_share`, independent of the problem and of its
 difficulty, the target is the tool trajectory instead of a direct answer:
 
@@ -28,7 +28,7 @@ import torch
 
 from ebpo_lite.env.calculator import calculator
 from ebpo_lite.env.formats import TinyFormat
-from ebpo_lite.model.tiny import supervised_warmup
+from ebpo_lite.model.warmup import supervised_warmup
 
 TOOL_WARMUP_VERSION = 1  # part of a tool warm-up's cache key: bump when this recipe changes
 TOOL = "calculator"
@@ -73,7 +73,7 @@ def supervised_tool_warmup(
     batch: int = 64,
     lr: float = 3e-3,
 ) -> float:
-    """`tiny.supervised_warmup` with tool trajectories (module docstring); returns the last
+    """`warmup.supervised_warmup` with tool trajectories (module docstring); returns the last
     batch's token accuracy on the trained tokens.
 
     Each draw is a tool trajectory with probability `tool_share`, else a direct answer, which is
