@@ -302,6 +302,7 @@ def export_run(
     *,
     checkpoint: str | None = None,
     merge: bool = False,
+    gguf: bool | str = False,
     push_to_hub: str | None = None,
 ) -> Path:
     """`ebpo-lite export RUN` from Python; returns the export folder.
@@ -309,6 +310,8 @@ def export_run(
     `run`: a run folder (or a `TrainResult`). `out`: the folder to write (default `RUN/export`;
     an earlier export there is replaced once the new one is complete). `checkpoint`: `step_N`
     (default: the newest). `merge`: also `merged/`, base and adapter as full weights.
+    `gguf`: also `model-<type>.gguf` for llama.cpp / Ollama and a `Modelfile` (True: f16; or a
+    type: "f16", "q8_0", "bf16", "f32").
     `push_to_hub`: a hub repo id to upload the finished folder to. The folder holds the complete
     adapter (`PeftModel.from_pretrained(base, folder)` loads it), the tokenizer, the run's config
     and a model card; docs of `ebpo_lite.commands.export` say more. Raises `UserError` for a mistake.
@@ -316,4 +319,5 @@ def export_run(
     from ebpo_lite.commands.export import export_run as export_folder
 
     with cli.quieted():
-        return export_folder(os.fspath(run), out, checkpoint, merge, push_to_hub)
+        qtype = ("f16" if gguf is True else gguf) or None
+        return export_folder(os.fspath(run), out, checkpoint, merge, push_to_hub, qtype)

@@ -1,4 +1,4 @@
-"""`ebpo-lite export RUN_DIR [--out DIR] [--checkpoint step_N] [--merge]
+"""`ebpo-lite export RUN_DIR [--out DIR] [--checkpoint step_N] [--merge] [--gguf [--gguf-type T]]
 [--push-to-hub REPO_ID]`: what a user takes away from a run.
 
 The export folder (default `RUN_DIR/export`) holds
@@ -15,7 +15,10 @@ The export folder (default `RUN_DIR/export`) holds
 - with `--merge`, `merged/`: base + adapter as full weights in 16-bit (in fp32 for a base stored
   in fp32, such as the tiny one). An NF4 run's base is first dequantized exactly as the trainer
   computed with it (the NF4 codes times their scales, in the compute dtype), never merged into
-  4-bit weights, so the merged model is the trained one up to 16-bit rounding.
+  4-bit weights, so the merged model is the trained one up to 16-bit rounding;
+- with `--gguf`, `model-<type>.gguf` (`--gguf-type`, default f16; `model.gguf_export`): those
+  merged weights (written to a scratch folder when `--merge` is not given) as one llama.cpp file
+  with the tokenizer and chat template, and an Ollama `Modelfile` beside it.
 
 vLLM: its LoRA loader accepts LoRA tensors only (a norm weight is an "unsupported LoRA weight"),
 so an adapter with trained extras cannot be served by `--enable-lora`; the card then says to serve
@@ -57,8 +60,10 @@ def export_run(
     checkpoint: str | None = None,
     merge: bool = False,
     push_to_hub: str | None = None,
+    gguf: str | None = None,
 ) -> Path:
-    """Write the export folder of a training run (see the module docstring); returns it."""
+    """Write the export folder of a training run (see the module docstring); returns it.
+    `gguf`: also a GGUF file of that type (`model.gguf_export.TYPES`)."""
     from ebpo_lite import config
     from ebpo_lite.engine.checkpoint import read_tensors
     from ebpo_lite.model.extra_weights import unsaveable_extra
@@ -71,6 +76,8 @@ def export_run(
     out = _check_out(Path(out_dir) if out_dir else run / "export", run)
     if push_to_hub:
         _check_repo_id(push_to_hub)
+    if gguf is not None:
+        _check_gguf(ckpt, gguf)
     then = "export an earlier one with --checkpoint step_N"
     trained = read_tensors(ckpt / "trainable.safetensors", then)
     read_tensors(ckpt / "adapter_model.safetensors", then)  # copied as it is: refuse a cut one
@@ -84,7 +91,7 @@ def export_run(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        _write_export(cfg, run, ckpt, tmp, trained, bad, merge)
+        _write_export(cfg, run, ckpt, tmp, trained, bad, merge, gguf)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -96,7 +103,7 @@ def export_run(
     return out
 
 
-def _write_export(cfg, run: Path, ckpt: Path, out: Path, trained, bad, merge: bool) -> None:
+def _write_export(cfg, run: Path, ckpt: Path, out: Path, trained, bad, merge: bool, gguf) -> None:
     """The export folder's files, into `out` (see the module docstring)."""
     from ebpo_lite.engine.checkpoint import step_of
     from ebpo_lite.model.extra_weights import add_extra_weights
@@ -110,13 +117,64 @@ def _write_export(cfg, run: Path, ckpt: Path, out: Path, trained, bad, merge: bo
     if cfg.model.name == "tiny" and base_dir is not None:
         shutil.copytree(base_dir, out / "base")
     shutil.copy2(run / "config.yaml", out / "training_config.yaml")
-    if merge:
-        merge_adapter(cfg.model, out, out / "merged")
+    if merge or gguf:
+        merged = merge_adapter(cfg.model, out, out / ("merged" if merge else ".merged-for-gguf"))
     step = step_of(ckpt)
     info = {"run_dir": str(run.resolve()), "checkpoint": ckpt.name, "step": step, "base": base}
     info.update(extra_modules=extra, merged=merge)
+    if gguf:
+        info["gguf"] = write_gguf_files(merged, out, gguf, base_dir, run.name)
+        if not merge:
+            shutil.rmtree(merged)
     (out / MARKER).write_text(json.dumps(info, indent=2) + "\n")
     (out / "README.md").write_text(model_card(cfg, run, out, info, _final_eval(run, step)))
+
+
+def _check_gguf(ckpt: Path, qtype: str) -> None:
+    """`--gguf`'s mistakes (no gguf package, a type or base it does not write), before any work."""
+    from ebpo_lite.model.gguf_export import check_ready
+
+    base = json.loads((ckpt / "adapter_config.json").read_text())["base_model_name_or_path"]
+    base_dir = _local_dir(base)
+    conf = base_dir / "config.json" if base_dir is not None else None
+    check_ready(json.loads(conf.read_text()) if conf and conf.is_file() else None, qtype)
+
+
+def write_gguf_files(merged: Path, out: Path, qtype: str, base_dir: Path | None, name: str) -> str:
+    """`model-<qtype>.gguf` from the merged folder, and an Ollama Modelfile; returns the file's
+    name. A base converted from a GGUF file (`base_model`) lends its pre-tokenizer name."""
+    from ebpo_lite.model.gguf_export import write_gguf
+
+    source = None
+    if base_dir is not None and (base_dir / "ebpo_lite_source.json").is_file():
+        source = json.loads((base_dir / "ebpo_lite_source.json").read_text()).get("gguf")
+    file = write_gguf(merged, out / f"model-{qtype}.gguf", qtype, source, name, log=lambda _: None)
+    (out / "Modelfile").write_text(modelfile(file.name, merged))
+    return file.name
+
+
+def modelfile(gguf_name: str, merged: Path) -> str:
+    """An Ollama Modelfile: the file, and for a ChatML template (Qwen, SmolLM2) that template in
+    Ollama's Go syntax with its stop token; other templates are left to Ollama, which reads the
+    GGUF's `tokenizer.chat_template`."""
+    template = ""
+    for name in ("chat_template.jinja",):
+        if (merged / name).is_file():
+            template = (merged / name).read_text()
+    if not template and (merged / "tokenizer_config.json").is_file():
+        template = (
+            json.loads((merged / "tokenizer_config.json").read_text()).get("chat_template") or ""
+        )
+    lines = [f"FROM ./{gguf_name}"]
+    if "<|im_start|>" in str(template):
+        lines += [
+            'TEMPLATE """{{- range .Messages }}<|im_start|>{{ .Role }}',
+            "{{ .Content }}<|im_end|>",
+            "{{ end }}<|im_start|>assistant",
+            '"""',
+            'PARAMETER stop "<|im_end|>"',
+        ]
+    return "\n".join(lines) + "\n"
 
 
 def _check_repo_id(repo_id: str) -> None:
@@ -267,6 +325,8 @@ def model_card(cfg: Any, run: Path, out: Path, info: dict[str, Any], final: dict
     lines += _metric_lines(final) or ["No eval record in the run's metrics.jsonl."]
     lines += ["", "## Load with peft", "", "```python", *_peft_snippet(base, hub_base), "```"]
     lines += ["", "## Serve with vLLM", "", *_vllm_lines(base, info, hub_base)]
+    if info.get("gguf"):
+        lines += ["", *_gguf_lines(info["gguf"], run.name, m.load_in_4bit)]
     if m.load_in_4bit:
         lines += [
             "",
@@ -324,6 +384,26 @@ def _vllm_lines(base: str, info: dict[str, Any], hub_base: bool) -> list[str]:
     return lines
 
 
+def _gguf_lines(file: str, name: str, nf4: bool) -> list[str]:
+    tag = "".join(c if c.isalnum() or c in "-_." else "-" for c in name.lower()) or "model"
+    lines = [
+        "## Run with llama.cpp or Ollama",
+        "",
+        f"`{file}` holds the merged model (base + adapter as full weights"
+        + (", the NF4 base dequantized as training computed it" if nf4 else "")
+        + "), the tokenizer and the chat template:",
+        "",
+        "```bash",
+        f"llama-cli -m {file} -cnv            # chat, with the file's chat template",
+        f"llama-server -m {file} --port 8080  # an OpenAI-compatible server",
+        f"ollama create {tag} -f Modelfile && ollama run {tag}",
+        "```",
+        "",
+        "For a 4-bit file: `llama-quantize " + file + " model-q4_k_m.gguf Q4_K_M` (llama.cpp).",
+    ]
+    return lines
+
+
 def push(out: Path, repo_id: str) -> str:
     """Upload the finished export folder to the hub repo `repo_id` (created if missing)."""
     from huggingface_hub import HfApi
@@ -358,11 +438,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="export folder (default RUN_DIR/export)")
     p.add_argument("--checkpoint", default=None, help="step_N (default: the newest)")
     p.add_argument("--merge", action="store_true", help="also write merged/ full weights")
+    p.add_argument("--gguf", action="store_true", help="also write one GGUF file (llama.cpp)")
+    p.add_argument(
+        "--gguf-type", default=None, metavar="T", help="f16 (default), q8_0, bf16 or f32"
+    )
     p.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="upload to this repo")
     args = p.parse_args(argv)
+    gguf = args.gguf_type or ("f16" if args.gguf else None)
 
     def run() -> None:
-        out = export_run(args.run_dir, args.out, args.checkpoint, args.merge, args.push_to_hub)
+        out = export_run(
+            args.run_dir, args.out, args.checkpoint, args.merge, args.push_to_hub, gguf
+        )
         print(f"exported: {out}" + (f" (pushed to {args.push_to_hub})" if args.push_to_hub else ""))
 
     return cli.run(run)
