@@ -35,7 +35,15 @@ def _adapter(out, step):
 @pytest.mark.slow
 def test_the_tool_recipe_trains_logs_episodes_and_resumes_exactly(tmp_path, capsys):
     a, b = tmp_path / "a", tmp_path / "b"
-    common = {"train.steps": 4, "rollout.group_size": 4, "train.prompts_per_step": 8}
+    # 96 new tokens: room for a tool's answer after the call. The recipe's 32 fit the
+    # calculator's short results, but after this 60-step warm-up many calls are malformed, and
+    # the error that answers them is longer: with 32 it is rolled back, leaving no tool turn.
+    common = {
+        "train.steps": 4,
+        "rollout.group_size": 4,
+        "train.prompts_per_step": 8,
+        "rollout.max_new_tokens": 96,
+    }
     summary = train(_cfg(a, **common))
     said = capsys.readouterr().out
     assert "tools: plain tools [calculator] (in a contained worker)" in said
