@@ -188,3 +188,44 @@ def test_smollm2_with_a_trained_adapter_in_llama_cpp(tmp_path):
     for text, ids in zip(texts, prompts):
         assert llm.tokenize(text.encode(), add_bos=False, special=True) == ids
     llm.close()
+
+
+def test_llama3_rope_scaling_reaches_llama_cpp(tmp_path, monkeypatch):
+    """A random small Llama with Llama 3.1's rope scaling (short original context, so most
+    pairs are scaled) and SmolLM2's byte-level tokenizer: llama.cpp's f32 greedy continuation
+    equals transformers'; the same file without `rope_freqs` does not, so the tensor is what
+    carries the scaling."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ebpo_lite.model import base_model, gguf_export
+
+    tokenizer_dir = base_model.converted(base_model.packaged_gguf(), log=lambda _: None)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64},
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # larger weights: a sharper, position-sensitive random model
+        for p in model.parameters():
+            p.mul_(4.0 if p.ndim == 2 else 1.0)
+    folder = tmp_path / "llama3"
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((tokenizer_dir / name).read_bytes())
+    file = gguf_export.write_gguf(folder, tmp_path / "m.gguf", "f32", log=lambda _: None)
+    prompts = [[1, 100 + 37 * i, 200 + 11 * i, 300 + i] * 12 for i in range(4)]  # 48 tokens
+    want = [_greedy_hf(model, p, 0) for p in prompts]
+    llm = LlamaCpp(file)
+    assert [llm.greedy(p, 0) for p in prompts] == want
+    llm.llm.close()
+    plain = tmp_path / "plain.gguf"  # the same writer, the scaling dropped
+    monkeypatch.setattr(gguf_export, "rope_freqs", lambda config: None)
+    gguf_export.write_gguf(folder, plain, "f32", log=lambda _: None)
+    llm = LlamaCpp(plain)
+    assert [llm.greedy(p, 0) for p in prompts] != want
+    llm.llm.close()

@@ -148,7 +148,7 @@ def write_gguf_files(merged: Path, out: Path, qtype: str, base_dir: Path | None,
     source = None
     if base_dir is not None and (base_dir / "ebpo_lite_source.json").is_file():
         source = json.loads((base_dir / "ebpo_lite_source.json").read_text()).get("gguf")
-    file = write_gguf(merged, out / f"model-{qtype}.gguf", qtype, source, name, log=lambda _: None)
+    file = write_gguf(merged, out / f"model-{qtype}.gguf", qtype, source, name, log=print)
     (out / "Modelfile").write_text(modelfile(file.name, merged))
     return file.name
 

@@ -18,7 +18,8 @@ architecture:
   token types (special added tokens are control tokens) and the pre-tokenizer's name.
   The name is llama.cpp's converter's own when the base came from a GGUF file (SmolLM2: its
   `tokenizer.ggml.pre`); otherwise `qwen2` for Qwen2/3, and for a Llama the tokenizer's
-  pre-tokenizer decides (`smollm`: single digits; `llama-bpe`: Llama 3's up-to-3-digit split).
+  pre-tokenizer decides (`smollm`: single digits; `llama-bpe`: Llama 3's up-to-3-digit split;
+  `gpt-2`: a plain byte-level split, GPT-2's regex).
   The built-in tiny model's character vocabulary is written in GPT-2's byte-level alphabet
   (space as `Ġ`), so llama.cpp's BPE reads and writes the same characters.
 
@@ -105,6 +106,8 @@ def write_gguf(
         writer.write_header_to_file(path=tmp)
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
+        total = sum(item.nbytes for item in plan)
+        log(f"gguf: writing {out.name}: {len(plan)} tensors, {total / 2**30:.2f} GiB ({qtype})")
         for item in plan:
             writer.write_tensor_data(item.data())
         writer.close()
@@ -113,7 +116,7 @@ def write_gguf(
         writer.close()
         tmp.unlink(missing_ok=True)
         raise
-    log(f"gguf: {out} ({qtype}, {len(plan)} tensors, {out.stat().st_size / 2**20:.1f} MiB)")
+    log(f"gguf: {out.name} written ({out.stat().st_size / 2**20:.1f} MiB)")
     return out
 
 
@@ -329,6 +332,9 @@ def pre_tokenizer_name(model_dir: Path, config: dict, source_gguf: str | Path | 
         return "smollm"
     if "\\\\p{N}{1,3}" in text:
         return "llama-bpe"
+    pre = tok.get("pre_tokenizer") or {}
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
+        return "gpt-2"  # ByteLevel alone splits with GPT-2's regex, as llama.cpp's gpt-2 does
     raise UserError(
         f"--gguf: {model_dir / 'tokenizer.json'}: a pre-tokenizer llama.cpp's names are not "
         f"known for here; converted: the tokenizers of {SUPPORTED}"
