@@ -62,7 +62,25 @@ def one_run(seed: int, estimator: str, out: Path, env: dict) -> dict:
         "tool_calls_per_episode": pair("env/tool_calls"),
         "called_frac": pair("env/called_frac"),
         "turns": pair("env/turns"),
+        **curve(out / "metrics.jsonl"),
         "last_lines": proc.stdout.strip().splitlines()[-5:],
+    }
+
+
+def curve(metrics: Path) -> dict:
+    """How fast the run got there: its training reward (the mean over the step's samples)
+    over the first 10 and 25 steps and all steps, and the first step at which 95% of the
+    step's episodes called the tool. The held-out eval (every 50 steps) is at its ceiling by
+    its first point, so these are what can tell the estimators apart."""
+    steps = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    steps = [r for r in steps if "train/loss" in r]
+    reward = [r["train/reward_mean"] for r in steps]
+    called = next((r["step"] for r in steps if r["env/called_frac"] >= 0.95), None)
+    return {
+        "train_reward_mean_first_10": round(statistics.mean(reward[:10]), 4),
+        "train_reward_mean_first_25": round(statistics.mean(reward[:25]), 4),
+        "train_reward_mean_all": round(statistics.mean(reward), 4),
+        "first_step_95pct_calling": called,
     }
 
 
@@ -75,16 +93,20 @@ def table(result: dict) -> str:
         f"({result['warmup_s']} s, cached); RL seconds are the steps and evals.",
         "",
         "| estimator | seed | greedy acc before -> after | gain | tool calls / episode | "
-        "episodes calling | RL s |",
-        "|---|---|---|---|---|---|---|",
+        "episodes calling | train reward, steps 1-25 | 95% calling at step | RL s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["runs"]:
         a, c, f = r["greedy_accuracy"], r["tool_calls_per_episode"], r["called_frac"]
         lines.append(
             f"| {r['estimator']} | {r['seed']} | {a[0]:.3f} -> {a[1]:.3f} | {r['greedy_gain']:+.3f}"
-            f" | {c[0]:.2f} -> {c[1]:.2f} | {f[0]:.2f} -> {f[1]:.2f} | {r['rl_s']:.0f} |"
+            f" | {c[0]:.2f} -> {c[1]:.2f} | {f[0]:.2f} -> {f[1]:.2f}"
+            f" | {r['train_reward_mean_first_25']:.3f} | {r['first_step_95pct_calling']}"
+            f" | {r['rl_s']:.0f} |"
         )
     lines.append("")
+    for pair_key, d in result.get("paired", {}).items():
+        lines.append(f"- {pair_key}, paired by seed: {d}")
     for est, agg in result["by_estimator"].items():
         lines.append(
             f"- {est}: greedy gain mean {agg['mean_gain']:+.3f} (min {agg['min_gain']:+.3f}), "
@@ -115,8 +137,16 @@ def main() -> None:
             "min_gain": min(r["greedy_gain"] for r in mine),
             "median_rl_s": statistics.median(r["rl_s"] for r in mine),
         }
+    ests = args.estimators.split(",")
+    paired = {}
+    if len(ests) == 2:
+        a, b = ({r["seed"]: r for r in runs if r["estimator"] == e} for e in ests)
+        for key in ("greedy_gain", "train_reward_mean_first_25", "train_reward_mean_all"):
+            diffs = [round(a[k][key] - b[k][key], 4) for k in sorted(a) if k in b]
+            paired[f"{ests[0]} - {ests[1]} {key}"] = diffs
     result = {
         "command": command(),
+        "paired": paired,
         "warmup_s": next((r["warmup_s"] for r in runs if r["warmup_s"]), None),
         "runs": runs,
         "by_estimator": by,
