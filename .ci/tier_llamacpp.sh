@@ -6,6 +6,8 @@
 # sdist (it vendors llama.cpp) with the machine's cmake and gcc: the library and the Python
 # binding only (no llava, tests, examples, tools or server). The compile is most of the build.
 # Then runs the tests marked `llamacpp` (tests/test_llamacpp.py) and fails if one is skipped.
+# Measured in .ci/run: the build about 3.5 minutes of 2 quiet cores (in CI it runs in the
+# background from the start), the tests 80 s beside the slow tier.
 #
 #   bash .ci/tier_llamacpp.sh               # build + test
 #   KEEP_VENV=1 bash .ci/tier_llamacpp.sh   # reuse an existing .venv-llamacpp
@@ -61,7 +63,10 @@ import xml.etree.ElementTree as ET
 
 cases = list(ET.parse(sys.argv[1]).getroot().iter("testcase"))
 skipped = [c for c in cases if c.find("skipped") is not None]
-print(f"tier_llamacpp: {len(cases) - len(skipped)} tests ran, {len(skipped)} skipped")
-if not cases or skipped:
-    sys.exit("tier_llamacpp: every llamacpp test must run")
+ran = len(cases) - len(skipped)
+names = [(c.get("classname", "") + "::" + c.get("name", "")).strip(":") for c in skipped]
+bad = [n for n in names if "llamacpp" in n]  # other tiers' files skip at collection: fine
+print(f"tier_llamacpp: {ran} tests ran, {len(skipped)} skipped")
+if ran == 0 or bad:
+    sys.exit(f"tier_llamacpp: no llamacpp test may be skipped and at least one must run {bad}")
 EOF
