@@ -6,8 +6,9 @@
 # sdist (it vendors llama.cpp) with the machine's cmake and gcc: the library and the Python
 # binding only (no llava, tests, examples, tools or server). The compile is most of the build.
 # Then runs the tests marked `llamacpp` (tests/test_llamacpp.py) and fails if one is skipped.
-# Measured in .ci/run: the build about 3.5 minutes of 2 quiet cores (in CI it runs in the
-# background from the start), the tests 80 s beside the slow tier.
+# Measured: the build about 3.5 minutes on 2 quiet cores (.ci/run builds it in the background
+# after the vllm and integrations venvs, at nice 19: 22 minutes there, done before the slow
+# tier ends), the tests 80 s beside the slow tier.
 #
 #   bash .ci/tier_llamacpp.sh               # build + test
 #   KEEP_VENV=1 bash .ci/tier_llamacpp.sh   # reuse an existing .venv-llamacpp
