@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ebpo_lite import config
-from ebpo_lite.commands.export import export_run, main
+from ebpo_lite.commands.export import export_run, main, modelfile
 from ebpo_lite.errors import UserError
 from ebpo_lite.train import train
 from tests.conftest import TINY_RECIPE, fast_overrides
@@ -154,16 +154,10 @@ def test_cli_writes_the_file_a_modelfile_and_the_card(run, tmp_path, capsys):
 
 def test_chatml_template_gets_an_ollama_template(tmp_path):
     (tmp_path / "chat_template.jinja").write_text("{{ '<|im_start|>' + m['role'] }}")
-    text = gguf_export_modelfile(tmp_path)
+    text = modelfile("m.gguf", tmp_path)
     assert 'TEMPLATE """' in text and 'PARAMETER stop "<|im_end|>"' in text
     (tmp_path / "chat_template.jinja").write_text("{{ bos_token }}[INST]")
-    assert gguf_export_modelfile(tmp_path) == "FROM ./m.gguf\n"
-
-
-def gguf_export_modelfile(folder):
-    from ebpo_lite.commands.export import modelfile
-
-    return modelfile("m.gguf", folder)
+    assert modelfile("m.gguf", tmp_path) == "FROM ./m.gguf\n"
 
 
 @pytest.mark.parametrize(
@@ -210,12 +204,8 @@ def test_a_failure_midway_leaves_no_file_and_keeps_the_earlier_export(run, tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no partial folder
     with pytest.raises(OSError, match="disk full"):  # the writer alone: no .partial file
         calls.clear()
-        gguf_export.write_gguf(_base_dir(out), tmp_path / "x.gguf", "f16", log=lambda _: None)
+        gguf_export.write_gguf(out / "base", tmp_path / "x.gguf", "f16", log=lambda _: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
-
-
-def _base_dir(export):
-    return export / "base"
 
 
 def test_permute_rotary_by_hand():

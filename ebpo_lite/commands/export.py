@@ -158,10 +158,9 @@ def modelfile(gguf_name: str, merged: Path) -> str:
     Ollama's Go syntax with its stop token; other templates are left to Ollama, which reads the
     GGUF's `tokenizer.chat_template`."""
     template = ""
-    for name in ("chat_template.jinja",):
-        if (merged / name).is_file():
-            template = (merged / name).read_text()
-    if not template and (merged / "tokenizer_config.json").is_file():
+    if (merged / "chat_template.jinja").is_file():
+        template = (merged / "chat_template.jinja").read_text()
+    elif (merged / "tokenizer_config.json").is_file():
         template = (
             json.loads((merged / "tokenizer_config.json").read_text()).get("chat_template") or ""
         )

@@ -46,17 +46,17 @@ ARCHES = {"qwen3": "QWEN3", "qwen2": "QWEN2", "llama": "LLAMA"}  # model_type ->
 SUPPORTED = "Qwen3, Qwen2 and Llama (Llama 3.x, SmolLM2)"
 
 
-def check_ready(base_config: dict[str, Any] | None, qtype: str) -> None:
+def check_ready(base_config: dict[str, Any] | None, qtype: str):
     """Refuse, in one line and before any work, a missing `gguf`, an unknown type, or a base
-    architecture this writer does not convert (`base_config`: the base's config.json)."""
+    architecture this writer does not convert (`base_config`: the base's config.json); returns
+    that architecture (None without a config)."""
     if qtype not in TYPES:
         raise UserError(f"--gguf-type: {qtype!r} is not one of {', '.join(TYPES)}")
     try:
         import gguf  # noqa: F401
     except ImportError:
         raise UserError(f"--gguf needs llama.cpp's gguf package: {PIP_COMMAND}") from None
-    if base_config is not None:
-        arch_of(base_config)
+    return None if base_config is None else arch_of(base_config)
 
 
 def arch_of(config: dict[str, Any]):
@@ -89,9 +89,12 @@ def write_gguf(
 
     model_dir, out = Path(model_dir), Path(out)
     config = json.loads((model_dir / "config.json").read_text())
-    check_ready(config, qtype)
-    arch = arch_of(config)
-    tokens, types = token_list(model_dir, config["vocab_size"])
+    arch = check_ready(config, qtype)
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise UserError(f"--gguf: no tokenizer.json in {model_dir}")
+    tok = json.loads(path.read_text())
+    tokens, types = token_list(tok, path, config["vocab_size"])
     plan = tensor_plan(model_dir, config, arch, qtype)
     tmp = out.with_name(out.name + ".partial")
     tmp.unlink(missing_ok=True)
@@ -100,7 +103,10 @@ def write_gguf(
         writer.add_name(name or model_dir.name)
         writer.add_type(gguf.GGUFType.MODEL)
         _add_hparams(writer, config, arch, qtype)
-        _add_tokenizer(writer, model_dir, config, tokens, types, source_gguf)
+        _add_tokenizer(writer, model_dir, pre_tokenizer_name(tok, path, config, source_gguf))
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        _add_special_vocab(writer, model_dir, tokens)
         for item in plan:
             writer.add_tensor_info(item.name, item.shape, item.dtype, item.nbytes, item.raw)
         writer.write_header_to_file(path=tmp)
@@ -230,10 +236,15 @@ def rope_freqs(config: dict):
 
     hf = AutoConfig.for_model(**config)
     scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
-    theta = rope.get("rope_theta", config.get("rope_theta"))
     dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    default = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    default = 1.0 / rope_theta(config) ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     return (default / scaled.float()).numpy()
+
+
+def rope_theta(config: dict) -> float:
+    """The rotary base: transformers 5 keeps it in `rope_parameters`, 4.x at the top level."""
+    rope = config.get("rope_parameters") or {}
+    return float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
 
 
 def _add_hparams(w, config: dict, arch, qtype: str) -> None:
@@ -241,7 +252,6 @@ def _add_hparams(w, config: dict, arch, qtype: str) -> None:
 
     n_head = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // n_head
-    rope = config.get("rope_parameters") or {}
     w.add_context_length(config["max_position_embeddings"])
     w.add_embedding_length(config["hidden_size"])
     w.add_block_count(config["num_hidden_layers"])
@@ -249,7 +259,7 @@ def _add_hparams(w, config: dict, arch, qtype: str) -> None:
     w.add_head_count(n_head)
     w.add_head_count_kv(config.get("num_key_value_heads") or n_head)
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    w.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
+    w.add_rope_freq_base(rope_theta(config))
     if head_dim != config["hidden_size"] // n_head:  # else llama.cpp derives it
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -262,14 +272,11 @@ def _add_hparams(w, config: dict, arch, qtype: str) -> None:
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
-def token_list(model_dir: Path, n_vocab: int) -> tuple[list[str], list[int]]:
-    """The vocabulary by id as GGUF stores it (byte-level BPE text) and each token's type."""
+def token_list(tok: dict, path: Path, n_vocab: int) -> tuple[list[str], list[int]]:
+    """The vocabulary by id as GGUF stores it (byte-level BPE text) and each token's type, from
+    `tok`, the tokenizer.json at `path`."""
     import gguf
 
-    path = model_dir / "tokenizer.json"
-    if not path.is_file():
-        raise UserError(f"--gguf: no tokenizer.json in {model_dir}")
-    tok = json.loads(path.read_text())
     model = tok["model"]
     if model["type"] == "BPE" and _byte_level(tok):
         text_of = str
@@ -314,15 +321,15 @@ def _byte_level_text(text: str) -> str:
     return "".join(table[b] for b in text.encode("utf-8"))
 
 
-def pre_tokenizer_name(model_dir: Path, config: dict, source_gguf: str | Path | None) -> str:
-    """llama.cpp's name of the pre-tokenizer (module docstring)."""
+def pre_tokenizer_name(tok: dict, path: Path, config: dict, source_gguf=None) -> str:
+    """llama.cpp's name of the pre-tokenizer of `tok` (the tokenizer.json at `path`; module
+    docstring)."""
     if source_gguf is not None and Path(source_gguf).is_file():
         import gguf
 
         field = gguf.GGUFReader(source_gguf).fields.get("tokenizer.ggml.pre")
         if field is not None:
             return bytes(field.parts[field.data[0]]).decode()
-    tok = json.loads((model_dir / "tokenizer.json").read_text())
     if tok["model"]["type"] == "WordLevel":
         return "default"
     if config.get("model_type") in ("qwen2", "qwen3"):
@@ -336,7 +343,7 @@ def pre_tokenizer_name(model_dir: Path, config: dict, source_gguf: str | Path | 
     if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
         return "gpt-2"  # ByteLevel alone splits with GPT-2's regex, as llama.cpp's gpt-2 does
     raise UserError(
-        f"--gguf: {model_dir / 'tokenizer.json'}: a pre-tokenizer llama.cpp's names are not "
+        f"--gguf: {path}: a pre-tokenizer llama.cpp's names are not "
         f"known for here; converted: the tokenizers of {SUPPORTED}"
     )
 
@@ -354,13 +361,15 @@ def inert_merge(tokens: list[str]) -> str:
     return f"{tokens[0]} {tokens[1]}"
 
 
-def _add_tokenizer(w, model_dir: Path, config, tokens, types, source_gguf) -> None:
+def _add_tokenizer(w, model_dir: Path, pre: str) -> None:
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+
+
+def _add_special_vocab(w, model_dir: Path, tokens: list[str]) -> None:
+    """Merges, special token ids, add-bos/eos and the chat template (gguf's `SpecialVocab`)."""
     import gguf
 
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre_tokenizer_name(model_dir, config, source_gguf))
-    w.add_token_list(tokens)
-    w.add_token_types(types)
     special = gguf.SpecialVocab(model_dir, load_merges=True, n_vocab=len(tokens))
     if not special.merges:  # a character vocabulary: llama.cpp requires the key, gguf refuses []
         w.add_token_merges([inert_merge(tokens)])
