@@ -89,8 +89,9 @@ def table(result: dict) -> str:
         "# The built-in tool task: recipes/tiny_tools_cpu.yaml",
         "",
         f"Command: `{result['command']}`; machine: {result['machine'].get('cpu', '?')}, "
-        f"{result['machine'].get('cores', '?')} cores. One warm-up for all runs "
-        f"({result['warmup_s']} s, cached); RL seconds are the steps and evals.",
+        f"{result['machine'].get('cores', '?')} cores. One warm-up for all runs ("
+        + (f"{result['warmup_s']} s, " if result["warmup_s"] else "cached before this run, ")
+        + "not in the RL seconds, which are the steps and evals).",
         "",
         "| estimator | seed | greedy acc before -> after | gain | tool calls / episode | "
         "episodes calling | train reward, steps 1-25 | 95% calling at step | RL s |",
